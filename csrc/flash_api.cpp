@@ -1,0 +1,360 @@
+// The one torch binding: checks what the kernels rely on, fills the params, picks a registered
+// kernel for the GPU's code path and launches it. Users' mistakes are caught (with friendlier
+// messages) by flash_attn/_validation.py first; these checks keep direct callers safe.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include <cutlass/version.h>
+
+#include "params.h"
+#include "registry.h"
+#include "tile_config.h"
+
+namespace {
+
+using flash::Dtype;
+using flash::Kind;
+
+Dtype dtype_of(const at::Tensor& t) {
+    if (t.scalar_type() == at::kHalf) return Dtype::kFp16;
+    if (t.scalar_type() == at::kBFloat16) return Dtype::kBf16;
+    TORCH_CHECK(false, "flash_attn: expected float16 or bfloat16 tensors, got ", t.scalar_type());
+}
+
+const char* dtype_name(Dtype d) { return d == Dtype::kFp16 ? "fp16" : "bf16"; }
+
+// The code path for this GPU: 80 (mma.sync kernels) on compute capability 8.x and 9.x; the SM90
+// kernels take 9.0 once registered unless FLASH_ATTN_FORCE_SM80=1.
+int code_path(Kind kind, Dtype dtype, int tier) {
+    const auto* props = at::cuda::getCurrentDeviceProperties();
+    TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 8,
+                                "flash_attn: needs compute capability 8.0 or newer, this GPU is ",
+                                props->major, ".", props->minor);
+    const char* force = std::getenv("FLASH_ATTN_FORCE_SM80");
+    const bool force_sm80 = force != nullptr && std::string(force) == "1";
+    if (props->major == 9 && props->minor == 0 && !force_sm80) {
+        for (const auto& e : flash::kernel_registry()) {
+            if (e.kind == kind && e.arch == 90 && e.dtype == dtype && e.headdim == tier) return 90;
+        }
+    }
+    return 80;
+}
+
+const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
+    const int tier = flash::headdim_tier(headdim);
+    const int arch = code_path(kind, dtype, tier);
+    for (const auto& e : flash::kernel_registry()) {
+        if (e.kind == kind && e.arch == arch && e.dtype == dtype && e.headdim == tier) return e;
+    }
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "flash_attn: no ", kind == Kind::kFwd ? "forward" : "backward", " kernel was built for ",
+        dtype_name(dtype), " head dim ", headdim, " (tier ", tier, ", sm", arch,
+        " path). Rebuild with FLASH_ATTN_HEADDIMS including ", tier, ", FLASH_ATTN_DTYPES including ",
+        dtype_name(dtype),
+        kind == Kind::kBwd ? " and FLASH_ATTN_DISABLE_BACKWARD unset" : "",
+        "; `python -m flash_attn` lists what was built.");
+}
+
+// Kernels read rows with 16-byte accesses: the last dim must be contiguous, every other stride a
+// multiple of 8 elements and the base 16-byte aligned. Anything else is copied once here.
+at::Tensor kernel_ready(const at::Tensor& t) {
+    bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    for (int i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.stride(i) % 8 == 0 || t.size(i) == 1);
+    return ok ? t : t.contiguous();
+}
+
+flash::TensorStrides strides_of(const at::Tensor& t, bool varlen) {
+    if (varlen) return {0, t.stride(0), t.stride(1)};
+    return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
+    TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " is on ", t.device(), ", q on ",
+                q.device());
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
+                t.scalar_type(), ", q has ", q.scalar_type());
+}
+
+void check_cu_seqlens(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                      const at::Tensor& q) {
+    TORCH_CHECK(t.has_value(), "flash_attn: ", name, " is required for varlen inputs");
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+                "flash_attn: ", name, " must be a contiguous 1-D int32 tensor");
+    TORCH_CHECK(t->device() == q.device(), "flash_attn: ", name, " must be on ", q.device());
+    TORCH_CHECK(t->numel() == batch + 1, "flash_attn: ", name, " must have batch + 1 = ", batch + 1,
+                " entries, got ", t->numel());
+}
+
+// Shape, varlen offsets, scale and mask: the part of the params forward and backward share.
+struct Problem {
+    bool varlen;
+    int64_t batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, total_q, total_k;
+};
+
+Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const std::optional<at::Tensor>& cu_seqlens_q,
+                 const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                 int64_t max_seqlen_k) {
+    dtype_of(q);
+    TORCH_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
+    check_cuda_tensor(k, "k", q);
+    check_cuda_tensor(v, "v", q);
+    Problem pb{};
+    pb.varlen = cu_seqlens_q.has_value();
+    const int64_t rank = pb.varlen ? 3 : 4;
+    TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "flash_attn: q, k, v must be ",
+                rank, "-D", pb.varlen ? " (varlen)" : "");
+    TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn: k and v must have the same shape");
+    pb.headdim = q.size(-1);
+    pb.nheads = q.size(-2);
+    pb.nheads_k = k.size(-2);
+    TORCH_CHECK(k.size(-1) == pb.headdim, "flash_attn: q and k head dims differ");
+    TORCH_CHECK(pb.headdim % 8 == 0 && pb.headdim > 0 && pb.headdim <= 256,
+                "flash_attn: head dim must be a multiple of 8 in [8, 256], got ", pb.headdim);
+    TORCH_CHECK(pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
+                "flash_attn: nheads (", pb.nheads, ") must be a multiple of nheads_k (", pb.nheads_k, ")");
+    if (pb.varlen) {
+        pb.batch = cu_seqlens_q->numel() - 1;
+        check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", pb.batch, q);
+        check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", pb.batch, q);
+        TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_attn: max_seqlen must be >= 0");
+        pb.seqlen_q = max_seqlen_q;
+        pb.seqlen_k = max_seqlen_k;
+        pb.total_q = q.size(0);
+        pb.total_k = k.size(0);
+    } else {
+        TORCH_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
+        pb.batch = q.size(0);
+        pb.seqlen_q = q.size(1);
+        pb.seqlen_k = k.size(1);
+        TORCH_CHECK(k.size(0) == pb.batch, "flash_attn: q and k batch sizes differ");
+        pb.total_q = pb.batch * pb.seqlen_q;
+        pb.total_k = pb.batch * pb.seqlen_k;
+    }
+    TORCH_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31),
+                "flash_attn: more than 2^31 rows are not supported");
+    return pb;
+}
+
+void fill_shape(flash::AttnShape& s, const Problem& pb,
+                const std::optional<at::Tensor>& cu_seqlens_q,
+                const std::optional<at::Tensor>& cu_seqlens_k, double softmax_scale, bool causal,
+                int64_t window_left, int64_t window_right, double softcap) {
+    TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+                "flash_attn: softmax_scale must be finite and > 0, got ", softmax_scale);
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash_attn: softcap must be >= 0, got ", softcap);
+    TORCH_CHECK(window_left >= -1 && window_right >= -1,
+                "flash_attn: window_size entries must be >= -1");
+    s.batch = pb.batch;
+    s.nheads = pb.nheads;
+    s.nheads_k = pb.nheads_k;
+    s.headdim = pb.headdim;
+    s.seqlen_q = pb.seqlen_q;
+    s.seqlen_k = pb.seqlen_k;
+    s.total_q = pb.total_q;
+    s.total_k = pb.total_k;
+    s.cu_seqlens_q = pb.varlen ? cu_seqlens_q->data_ptr<int>() : nullptr;
+    s.cu_seqlens_k = pb.varlen ? cu_seqlens_k->data_ptr<int>() : nullptr;
+    constexpr double kLog2e = 1.4426950408889634;
+    s.softmax_scale = float(softmax_scale);
+    s.softcap = float(softcap);
+    if (softcap > 0) {
+        s.softcap_prescale = float(softmax_scale / softcap);
+        s.scale_log2 = float(softcap * kLog2e);
+    } else {
+        s.softcap_prescale = 0.f;
+        s.scale_log2 = float(softmax_scale * kLog2e);
+    }
+    // A window side as long as the keys is unbounded; clamp so int arithmetic cannot overflow.
+    const int64_t big = pb.seqlen_k + pb.seqlen_q + 1;
+    s.window_left = window_left < 0 ? -1 : int(std::min(window_left, big));
+    s.window_right = causal ? 0 : (window_right < 0 ? -1 : int(std::min(window_right, big)));
+}
+
+void check_launch() {
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "flash_attn: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            std::optional<at::Tensor> out_, std::optional<at::Tensor> cu_seqlens_q,
+                            std::optional<at::Tensor> cu_seqlens_k, std::optional<at::Tensor> seqused_k,
+                            int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                            bool causal, int64_t window_left, int64_t window_right, double softcap) {
+    const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
+    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim);
+    at::cuda::CUDAGuard guard(q.device());
+
+    at::Tensor out;
+    if (out_.has_value()) {
+        out = *out_;
+        check_cuda_tensor(out, "out", q);
+        TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape ", q.sizes());
+        TORCH_CHECK(out.stride(-1) == 1, "flash_attn: out must have a contiguous last dim");
+        TORCH_CHECK(kernel_ready(out).data_ptr() == out.data_ptr(),
+                    "flash_attn: out must be 16-byte aligned with strides that are multiples of 8");
+    } else {
+        out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+    }
+    const auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor lse = pb.varlen ? at::empty({pb.nheads, pb.total_q}, f32)
+                               : at::empty({pb.batch, pb.nheads, pb.seqlen_q}, f32);
+    if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0) return {out, lse};
+
+    flash::FwdParams p;
+    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap);
+    if (seqused_k.has_value()) {
+        TORCH_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
+                        seqused_k->is_contiguous() && seqused_k->numel() == pb.batch &&
+                        seqused_k->device() == q.device(),
+                    "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on q's device");
+        p.seqused_k = seqused_k->data_ptr<int>();
+    }
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.q_stride = strides_of(q, pb.varlen);
+    p.k_stride = strides_of(k, pb.varlen);
+    p.v_stride = strides_of(v, pb.varlen);
+    p.o_stride = strides_of(out, pb.varlen);
+    p.num_sm = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    entry.fwd(p, at::cuda::getCurrentCUDAStream());
+    check_launch();
+    return {out, lse};
+}
+
+std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+                            std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
+                            std::optional<at::Tensor> dv_, std::optional<at::Tensor> cu_seqlens_q,
+                            std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
+                            int64_t max_seqlen_k, double softmax_scale, bool causal,
+                            int64_t window_left, int64_t window_right, double softcap,
+                            bool deterministic) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!deterministic,
+                                "flash_attn: deterministic=True backward is not implemented (dq is "
+                                "accumulated with atomics); pass deterministic=False");
+    const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    check_cuda_tensor(dout_in, "dout", q_in);
+    check_cuda_tensor(out_in, "out", q_in);
+    TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+                "flash_attn: dout and out must have q's shape");
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.device() == q_in.device(),
+                "flash_attn: softmax_lse must be a contiguous float32 tensor on q's device");
+    const std::vector<int64_t> lse_shape = pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
+                                                     : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
+    TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flash_attn: softmax_lse has shape ",
+                lse.sizes(), ", expected ", at::IntArrayRef(lse_shape));
+    const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
+    const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
+    const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim);
+    at::cuda::CUDAGuard guard(q.device());
+
+    // Rows outside every varlen sequence get no kernel writes: start them at zero.
+    auto alloc = [&](const at::Tensor& like) {
+        return pb.varlen ? at::zeros_like(like, like.options().memory_format(at::MemoryFormat::Contiguous))
+                         : at::empty_like(like, like.options().memory_format(at::MemoryFormat::Contiguous));
+    };
+    auto given = [&](std::optional<at::Tensor>& t, const at::Tensor& like, const char* name) {
+        check_cuda_tensor(*t, name, q);
+        TORCH_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ", like.sizes());
+        TORCH_CHECK(kernel_ready(*t).data_ptr() == t->data_ptr(), "flash_attn: ", name,
+                    " must be 16-byte aligned with a contiguous last dim");
+        return *t;
+    };
+    at::Tensor dq = dq_.has_value() ? given(dq_, q, "dq") : alloc(q);
+    at::Tensor dk = dk_.has_value() ? given(dk_, k, "dk") : alloc(k);
+    at::Tensor dv = dv_.has_value() ? given(dv_, v, "dv") : alloc(v);
+    if (pb.batch == 0 || pb.total_q == 0 || pb.total_k == 0) {
+        dq.zero_();
+        dk.zero_();
+        dv.zero_();
+        return {dq, dk, dv};
+    }
+
+    // The kernel writes dK, dV per query head; GQA groups are summed below.
+    const bool grouped = pb.nheads != pb.nheads_k;
+    std::vector<int64_t> expanded_shape = k.sizes().vec();
+    expanded_shape[expanded_shape.size() - 2] = pb.nheads;
+    at::Tensor dk_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options()) : at::empty(expanded_shape, q.options())) : dk;
+    at::Tensor dv_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options()) : at::empty(expanded_shape, q.options())) : dv;
+
+    const int tier = flash::headdim_tier(pb.headdim);
+    const auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor dq_accum = at::zeros({pb.total_q, pb.nheads, tier}, f32);
+    at::Tensor softmax_d = at::empty_like(lse);
+
+    flash::BwdParams p;
+    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap);
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = out.data_ptr();
+    p.dout = dout.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.dq = dq.data_ptr();
+    p.dk = dk_x.data_ptr();
+    p.dv = dv_x.data_ptr();
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.softmax_d = softmax_d.data_ptr<float>();
+    p.q_stride = strides_of(q, pb.varlen);
+    p.k_stride = strides_of(k, pb.varlen);
+    p.v_stride = strides_of(v, pb.varlen);
+    p.o_stride = strides_of(out, pb.varlen);
+    p.do_stride = strides_of(dout, pb.varlen);
+    p.dq_stride = strides_of(dq, pb.varlen);
+    p.dk_stride = strides_of(dk_x, pb.varlen);
+    p.dv_stride = strides_of(dv_x, pb.varlen);
+    p.headdim_tier = tier;
+    entry.bwd(p, at::cuda::getCurrentCUDAStream());
+    check_launch();
+
+    if (grouped) {
+        std::vector<int64_t> grouped_shape = k.sizes().vec();
+        grouped_shape.insert(grouped_shape.end() - 1, pb.nheads / pb.nheads_k);
+        dk.copy_(dk_x.view(grouped_shape).sum(-2, false, at::kFloat));
+        dv.copy_(dv_x.view(grouped_shape).sum(-2, false, at::kFloat));
+    }
+    return {dq, dk, dv};
+}
+
+pybind11::dict build_info() {
+    pybind11::dict info;
+    pybind11::list kernels;
+    std::vector<int> archs;
+    for (const auto& e : flash::kernel_registry()) {
+        pybind11::dict k;
+        k["kind"] = e.kind == Kind::kFwd ? "fwd" : "bwd";
+        k["arch"] = e.arch;
+        k["dtype"] = dtype_name(e.dtype);
+        k["headdim"] = e.headdim;
+        kernels.append(k);
+        if (std::find(archs.begin(), archs.end(), e.arch) == archs.end()) archs.push_back(e.arch);
+    }
+    std::sort(archs.begin(), archs.end());
+    info["archs"] = archs;
+    info["kernels"] = kernels;
+    info["cuda"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+    info["cutlass"] = std::to_string(CUTLASS_MAJOR) + "." + std::to_string(CUTLASS_MINOR) + "." +
+                      std::to_string(CUTLASS_PATCH);
+    return info;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "FlashAttention kernels (CUDA)";
+    m.def("fwd", &fwd, "attention forward");
+    m.def("bwd", &bwd, "attention backward");
+    m.def("build_info", &build_info, "what this build compiled");
+}

@@ -1,0 +1,339 @@
+// SM80 backward, three launches:
+//   1. row_dot:  softmax_d = rowsum(dO * O) per query row (fp32).
+//   2. main:     one CTA per (key tile, batch, head) keeps K, V and the dK, dV accumulators, and
+//                walks the query tiles that can see its keys; dQ partials go to an fp32 buffer
+//                with atomics.
+//   3. dq_write: dQ = softmax_scale * dq_accum, cast to the input dtype.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "params.h"
+#include "seq_info.h"
+#include "sm80_traits.h"
+#include "sm80_utils.h"
+#include "softmax.h"
+#include "tile_config.h"
+
+namespace flash {
+
+template <class T, int kHeadDim>
+struct Sm80Bwd {
+    static constexpr Sm80BwdTile kTile = sm80_bwd_tile(kHeadDim);
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kWarps = kTile.warps;
+    static constexpr int kThreads = kWarps * 32;
+
+    // 4 x 2 warps; one MMA layout serves the five GEMMs (S, dP: M x N; dK, dV: N x D; dQ: M x D).
+    using TiledMma = TiledMMA<Sm80MmaAtom<T>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+    using Copies = Sm80Copies<T, kHeadDim, kThreads>;
+    using SmemQ = SmemTile<kBlockM, kHeadDim>;      // also dO
+    using SmemKV = SmemTile<kBlockN, kHeadDim>;
+    using SmemP = SmemTile<kBlockM, kBlockN>;       // also dS
+    using SmemQt = TransposedTile<SmemQ>;
+    using SmemKt = TransposedTile<SmemKV>;
+    using SmemPt = TransposedTile<SmemP>;
+
+    static constexpr int kSmemBytes =
+        (2 * kBlockM * kHeadDim + 2 * kBlockN * kHeadDim + 2 * kBlockM * kBlockN) * sizeof(T);
+    static_assert(kWarps == 8 && kBlockM % 64 == 0 && kBlockN % 64 == 0);
+};
+
+// softmax_d[row] = sum_c dO[row, c] * O[row, c]; a warp per row, 8 columns per lane.
+template <class T, int kHeadDim>
+__global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
+    constexpr int kRowsPerBlock = 64;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int bidb = blockIdx.y;
+    const int bidh = blockIdx.z;
+    const SeqInfo seq(p, bidb);
+    float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
+    for (int row = blockIdx.x * kRowsPerBlock + warp; row < min(seq.seqlen_q, (blockIdx.x + 1) * kRowsPerBlock);
+         row += blockDim.x / 32) {
+        const T* o = static_cast<const T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row, bidh);
+        const T* dO = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, row, bidh);
+        float acc = 0.f;
+        for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+            const uint4 dv = *reinterpret_cast<const uint4*>(dO + c);
+            const T* oe = reinterpret_cast<const T*>(&ov);
+            const T* de = reinterpret_cast<const T*>(&dv);
+            CUTE_UNROLL
+            for (int i = 0; i < 8; ++i) acc += float(oe[i]) * float(de[i]);
+        }
+        CUTE_UNROLL
+        for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+        if (lane == 0) d_ptr[row] = acc;
+    }
+}
+
+// dq[row, c] = softmax_scale * dq_accum[row, c]; a warp per row.
+template <class T, int kHeadDim>
+__global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
+    constexpr int kRowsPerBlock = 64;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int bidb = blockIdx.y;
+    const int bidh = blockIdx.z;
+    const SeqInfo seq(p, bidb);
+    for (int row = blockIdx.x * kRowsPerBlock + warp; row < min(seq.seqlen_q, (blockIdx.x + 1) * kRowsPerBlock);
+         row += blockDim.x / 32) {
+        const float* acc = p.dq_accum + ((seq.row_q + row) * p.nheads + bidh) * index_t(kHeadDim);
+        T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
+        for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
+            const float4 a = *reinterpret_cast<const float4*>(acc + c);
+            const float4 b = *reinterpret_cast<const float4*>(acc + c + 4);
+            T out[8] = {T(a.x * p.softmax_scale), T(a.y * p.softmax_scale), T(a.z * p.softmax_scale),
+                        T(a.w * p.softmax_scale), T(b.x * p.softmax_scale), T(b.y * p.softmax_scale),
+                        T(b.z * p.softmax_scale), T(b.w * p.softmax_scale)};
+            *reinterpret_cast<uint4*>(dq + c) = *reinterpret_cast<const uint4*>(out);
+        }
+    }
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
+    flash_bwd_sm80_kernel(const __grid_constant__ BwdParams p) {
+    using K = Sm80Bwd<T, kHeadDim>;
+    constexpr int kBlockM = K::kBlockM;
+    constexpr int kBlockN = K::kBlockN;
+    using BM = Int<kBlockM>;
+    using BN = Int<kBlockN>;
+    using D = Int<kHeadDim>;
+
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x;
+    const int n_block = blockIdx.x;  // low key tiles see the most causal rows: they launch first
+    const int bidb = blockIdx.y;
+    const int bidh = blockIdx.z;
+    const int bidh_k = bidh / (p.nheads / p.nheads_k);
+
+    const SeqInfo seq(p, bidb);
+    const int col0 = n_block * kBlockN;
+    if (col0 >= seq.seqlen_k) return;
+    const BandMask mask = seq.mask(p);
+    int m_first, m_last;
+    mask.query_block_range(col0, kBlockN, kBlockM, m_first, m_last);
+    const int cols_left = seq.seqlen_k - col0;
+
+    const T* q_ptr = static_cast<const T*>(p.q) + seq.q_offset(p.q_stride, p, bidb, 0, bidh);
+    const T* do_ptr = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, 0, bidh);
+    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, bidb, col0, bidh_k);
+    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, bidb, col0, bidh_k);
+    T* dk_ptr = static_cast<T*>(p.dk) + seq.k_offset(p.dk_stride, p, bidb, col0, bidh);
+    T* dv_ptr = static_cast<T*>(p.dv) + seq.k_offset(p.dv_stride, p, bidb, col0, bidh);
+    const float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh);
+    const float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
+    const index_t dq_row_stride = index_t(p.nheads) * kHeadDim;
+    float* dq_acc_ptr = p.dq_accum + seq.row_q * dq_row_stride + index_t(bidh) * kHeadDim;
+
+    // (BM, D, m_blocks) views of Q and dO; (BN, D) tiles of K, V, dK, dV.
+    Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q_ptr), make_shape(m_last * kBlockM, D{}),
+                                       make_stride(p.q_stride.row, _1{})),
+                           Shape<BM, D>{}, make_coord(_, 0));
+    Tensor gdO = local_tile(make_tensor(make_gmem_ptr(do_ptr), make_shape(m_last * kBlockM, D{}),
+                                        make_stride(p.do_stride.row, _1{})),
+                            Shape<BM, D>{}, make_coord(_, 0));
+    Tensor gK = make_tensor(make_gmem_ptr(k_ptr), Shape<BN, D>{}, make_stride(p.k_stride.row, _1{}));
+    Tensor gV = make_tensor(make_gmem_ptr(v_ptr), Shape<BN, D>{}, make_stride(p.v_stride.row, _1{}));
+    Tensor gdK = make_tensor(make_gmem_ptr(dk_ptr), Shape<BN, D>{}, make_stride(p.dk_stride.row, _1{}));
+    Tensor gdV = make_tensor(make_gmem_ptr(dv_ptr), Shape<BN, D>{}, make_stride(p.dv_stride.row, _1{}));
+
+    T* smem_t = reinterpret_cast<T*>(smem);
+    Tensor sQ = make_tensor(make_smem_ptr(smem_t), typename K::SmemQ{});
+    Tensor sdO = make_tensor(sQ.data() + size(sQ), typename K::SmemQ{});
+    Tensor sK = make_tensor(sdO.data() + size(sdO), typename K::SmemKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename K::SmemKV{});
+    Tensor sP = make_tensor(sV.data() + size(sV), typename K::SmemP{});
+    Tensor sdS = make_tensor(sP.data() + size(sP), typename K::SmemP{});
+    Tensor sQt = make_tensor(sQ.data(), typename K::SmemQt{});
+    Tensor sdOt = make_tensor(sdO.data(), typename K::SmemQt{});
+    Tensor sKt = make_tensor(sK.data(), typename K::SmemKt{});
+    Tensor sPt = make_tensor(sP.data(), typename K::SmemPt{});
+    Tensor sdSt = make_tensor(sdS.data(), typename K::SmemPt{});
+
+    typename K::Copies::GmemLoad gload;
+    auto gthr = gload.get_thread_slice(tid);
+    Tensor tQgQ = gthr.partition_S(gQ);
+    Tensor tQsQ = gthr.partition_D(sQ);
+    Tensor tdOgdO = gthr.partition_S(gdO);
+    Tensor tdOsdO = gthr.partition_D(sdO);
+    Tensor tQc = gthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
+    Tensor tKgK = gthr.partition_S(gK);
+    Tensor tKsK = gthr.partition_D(sK);
+    Tensor tVgV = gthr.partition_S(gV);
+    Tensor tVsV = gthr.partition_D(sV);
+    Tensor tKc = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
+
+    typename K::TiledMma mma;
+    auto thr_mma = mma.get_thread_slice(tid);
+    auto ldsm_a = make_tiled_copy_A(typename K::Copies::LdsmN{}, mma);
+    auto ldsm_b = make_tiled_copy_B(typename K::Copies::LdsmN{}, mma);
+    auto ldsm_at = make_tiled_copy_A(typename K::Copies::LdsmT{}, mma);
+    auto ldsm_bt = make_tiled_copy_B(typename K::Copies::LdsmT{}, mma);
+    Tensor sQ_a = ldsm_a.get_thread_slice(tid).partition_S(sQ);
+    Tensor sdO_a = ldsm_a.get_thread_slice(tid).partition_S(sdO);
+    Tensor sdS_a = ldsm_a.get_thread_slice(tid).partition_S(sdS);
+    Tensor sK_b = ldsm_b.get_thread_slice(tid).partition_S(sK);
+    Tensor sV_b = ldsm_b.get_thread_slice(tid).partition_S(sV);
+    Tensor sPt_a = ldsm_at.get_thread_slice(tid).partition_S(sPt);
+    Tensor sdSt_a = ldsm_at.get_thread_slice(tid).partition_S(sdSt);
+    Tensor sdOt_b = ldsm_bt.get_thread_slice(tid).partition_S(sdOt);
+    Tensor sQt_b = ldsm_bt.get_thread_slice(tid).partition_S(sQt);
+    Tensor sKt_b = ldsm_bt.get_thread_slice(tid).partition_S(sKt);
+
+    auto store_c = make_tiled_copy_C(typename K::Copies::StoreC{}, mma);
+    auto cthr = store_c.get_thread_slice(tid);
+    Tensor tPsP = cthr.partition_D(sP);
+    Tensor tdSsdS = cthr.partition_D(sdS);
+
+    Tensor acc_dk = partition_fragment_C(mma, Shape<BN, D>{});
+    Tensor acc_dv = partition_fragment_C(mma, Shape<BN, D>{});
+    clear(acc_dk);
+    clear(acc_dv);
+
+    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{}));
+    Tensor cS_rc = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
+    Tensor cdQ = thr_mma.partition_C(make_identity_tensor(Shape<BM, D>{}));
+
+    load_tile(gload, tKgK, tKsK, tKc, cols_left, p.headdim);
+    load_tile(gload, tVgV, tVsV, tKc, cols_left, p.headdim);
+    if (m_first < m_last) {
+        const int rows = seq.seqlen_q - m_first * kBlockM;
+        load_tile(gload, tQgQ(_, _, _, m_first), tQsQ, tQc, rows, p.headdim);
+        load_tile(gload, tdOgdO(_, _, _, m_first), tdOsdO, tQc, rows, p.headdim);
+    }
+    cp_async_fence();
+
+    const bool softcap = p.softcap > 0.f;
+    constexpr float kLog2e = 1.4426950408889634f;
+    for (int m = m_first; m < m_last; ++m) {
+        const int row0 = m * kBlockM;
+        const int rows_left = seq.seqlen_q - row0;
+
+        Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
+        Tensor acc_dp = partition_fragment_C(mma, Shape<BM, BN>{});
+        Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+        Tensor dp_rc = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
+        constexpr int kRows = decltype(size<0>(s_rc))::value;
+        float lse_log2[kRows], row_d[kRows];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            const int row = get<0>(cS_rc(r, 0));
+            // Rows past the sequence get lse = +inf: P = 0 there, so they contribute nothing.
+            lse_log2[r] = row < rows_left ? lse_ptr[row0 + row] * kLog2e : INFINITY;
+            row_d[r] = row < rows_left ? d_ptr[row0 + row] : 0.f;
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // Q(m), dO(m) (and K, V) have landed
+        clear(acc_s);
+        clear(acc_dp);
+        {
+            Tensor rA = thr_mma.partition_fragment_A(sQ);
+            Tensor rB = thr_mma.partition_fragment_B(sK);
+            gemm_smem(mma, acc_s, rA, rB, sQ_a, sK_b, ldsm_a, ldsm_b);
+        }
+        {
+            Tensor rA = thr_mma.partition_fragment_A(sdO);
+            Tensor rB = thr_mma.partition_fragment_B(sV);
+            gemm_smem(mma, acc_dp, rA, rB, sdO_a, sV_b, ldsm_a, ldsm_b);
+        }
+        if (softcap) apply_softcap(acc_s, p.softcap_prescale);
+        if (mask.tile_needs_mask(row0, kBlockM, col0, kBlockN)) {
+            apply_mask(s_rc, cS_rc, mask, row0, col0);
+        }
+        // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap.
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s_rc); ++c) {
+                const float t = s_rc(r, c);
+                const float prob = exp2f(t * p.scale_log2 - lse_log2[r]);
+                const float dtanh = softcap ? fmaxf(1.f - t * t, 0.f) : 1.f;
+                s_rc(r, c) = prob;
+                dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]) * dtanh;
+            }
+        }
+        copy(store_c, cthr.retile_S(convert_fragment<T>(acc_s)), tPsP);
+        copy(store_c, cthr.retile_S(convert_fragment<T>(acc_dp)), tdSsdS);
+        __syncthreads();  // P and dS are in shared memory
+
+        {
+            Tensor rA = thr_mma.partition_fragment_A(sPt);
+            Tensor rB = thr_mma.partition_fragment_B(sdOt);
+            gemm_smem(mma, acc_dv, rA, rB, sPt_a, sdOt_b, ldsm_at, ldsm_bt);
+        }
+        {
+            Tensor rA = thr_mma.partition_fragment_A(sdSt);
+            Tensor rB = thr_mma.partition_fragment_B(sQt);
+            gemm_smem(mma, acc_dk, rA, rB, sdSt_a, sQt_b, ldsm_at, ldsm_bt);
+        }
+        __syncthreads();  // nobody reads Q(m) or dO(m) any more: prefetch the next tile
+        if (m + 1 < m_last) {
+            const int rows = seq.seqlen_q - (m + 1) * kBlockM;
+            load_tile(gload, tQgQ(_, _, _, m + 1), tQsQ, tQc, rows, p.headdim);
+            load_tile(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows, p.headdim);
+        }
+        cp_async_fence();
+
+        Tensor acc_dq = partition_fragment_C(mma, Shape<BM, D>{});
+        clear(acc_dq);
+        {
+            Tensor rA = thr_mma.partition_fragment_A(sdS);
+            Tensor rB = thr_mma.partition_fragment_B(sKt);
+            gemm_smem(mma, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_a, ldsm_bt);
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); ++i) {
+            const int row = get<0>(cdQ(i));
+            const int col = get<1>(cdQ(i));
+            if (row < rows_left && col < p.headdim) {
+                atomicAdd(dq_acc_ptr + (row0 + row) * dq_row_stride + col, acc_dq(i));
+            }
+        }
+    }
+
+    // Epilogue: dK (times the softmax scale, the d score / d x factor) and dV through shared
+    // memory, reusing the K and V tiles.
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+    Tensor rdK = convert_fragment<T>(acc_dk);
+    Tensor rdV = convert_fragment<T>(acc_dv);
+    cp_async_wait<0>();
+    __syncthreads();  // last dQ GEMM is done reading K
+    copy(store_c, cthr.retile_S(rdK), cthr.partition_D(sK));
+    copy(store_c, cthr.retile_S(rdV), cthr.partition_D(sV));
+    __syncthreads();
+    typename K::Copies::GmemStore gstore;
+    auto sthr = gstore.get_thread_slice(tid);
+    Tensor tKc_out = sthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
+    Tensor tdKs = sthr.partition_S(sK);
+    Tensor tdKg = sthr.partition_D(gdK);
+    Tensor tdVs = sthr.partition_S(sV);
+    Tensor tdVg = sthr.partition_D(gdV);
+    store_tile(gstore, tdKs, tdKg, tKc_out, cols_left, p.headdim);
+    store_tile(gstore, tdVs, tdVg, tKc_out, cols_left, p.headdim);
+}
+
+template <class T, int kHeadDim>
+void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
+    using K = Sm80Bwd<T, kHeadDim>;
+    constexpr int kRowsPerBlock = 64;
+    dim3 row_grid((p.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.batch, p.nheads);
+    flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
+
+    auto kernel = flash_bwd_sm80_kernel<T, kHeadDim>;
+    if (K::kSmemBytes >= 48 * 1024) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
+    }
+    dim3 grid((p.seqlen_k + K::kBlockN - 1) / K::kBlockN, p.batch, p.nheads);
+    kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
+
+    flash_bwd_dq_write_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
+}
+
+}  // namespace flash

@@ -1,0 +1,197 @@
+// SM80 forward: one CTA per (128-row Q tile, batch, head). K and V tiles stream through shared
+// memory with cp.async, one tile in flight while the other is consumed; S and P stay in
+// registers (mma.sync m16n8k16, fp32 accumulation).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "params.h"
+#include "seq_info.h"
+#include "sm80_traits.h"
+#include "sm80_utils.h"
+#include "softmax.h"
+#include "tile_config.h"
+
+namespace flash {
+
+template <class T, int kHeadDim>
+struct Sm80Fwd {
+    static constexpr Sm80FwdTile kTile = sm80_fwd_tile(kHeadDim);
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kWarps = kTile.warps;
+    static constexpr int kThreads = kWarps * 32;
+
+    // Warps split the rows; N of the MMA tile is 16 so one ldmatrix.x4 feeds two 16x8 MMAs.
+    using TiledMma =
+        TiledMMA<Sm80MmaAtom<T>, Layout<Shape<Int<kWarps>, _1, _1>>, Tile<Int<16 * kWarps>, _16, _16>>;
+    using Copies = Sm80Copies<T, kHeadDim, kThreads>;
+    using SmemQ = SmemTile<kBlockM, kHeadDim>;
+    using SmemKV = SmemTile<kBlockN, kHeadDim>;
+    using SmemVt = TransposedTile<SmemKV>;
+
+    static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * sizeof(T);
+    static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
+};
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
+    flash_fwd_sm80_kernel(const __grid_constant__ FwdParams p) {
+    using K = Sm80Fwd<T, kHeadDim>;
+    constexpr int kBlockM = K::kBlockM;
+    constexpr int kBlockN = K::kBlockN;
+    using BM = Int<kBlockM>;
+    using BN = Int<kBlockN>;
+    using D = Int<kHeadDim>;
+
+    extern __shared__ __align__(128) char smem[];
+    const int tid = threadIdx.x;
+    // Causal rows near the bottom see the most keys: launch them first.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int bidb = blockIdx.y;
+    const int bidh = blockIdx.z;
+    const int bidh_k = bidh / (p.nheads / p.nheads_k);
+
+    const SeqInfo seq(p, bidb);
+    const int row0 = m_block * kBlockM;
+    if (row0 >= seq.seqlen_q) return;
+    const BandMask mask = seq.mask(p);
+    int n_first, n_last;
+    mask.key_block_range(row0, kBlockM, kBlockN, n_first, n_last);
+
+    const T* q_ptr = static_cast<const T*>(p.q) + seq.q_offset(p.q_stride, p, bidb, row0, bidh);
+    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, bidb, 0, bidh_k);
+    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, bidb, 0, bidh_k);
+    T* o_ptr = static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row0, bidh);
+
+    Tensor gQ = make_tensor(make_gmem_ptr(q_ptr), Shape<BM, D>{}, make_stride(p.q_stride.row, _1{}));
+    Tensor gO = make_tensor(make_gmem_ptr(o_ptr), Shape<BM, D>{}, make_stride(p.o_stride.row, _1{}));
+    // (BN, D, n_blocks): key tile n at rows [n * BN, (n + 1) * BN).
+    Tensor gK = local_tile(make_tensor(make_gmem_ptr(k_ptr), make_shape(n_last * kBlockN, D{}),
+                                       make_stride(p.k_stride.row, _1{})),
+                           Shape<BN, D>{}, make_coord(_, 0));
+    Tensor gV = local_tile(make_tensor(make_gmem_ptr(v_ptr), make_shape(n_last * kBlockN, D{}),
+                                       make_stride(p.v_stride.row, _1{})),
+                           Shape<BN, D>{}, make_coord(_, 0));
+
+    T* smem_t = reinterpret_cast<T*>(smem);
+    Tensor sQ = make_tensor(make_smem_ptr(smem_t), typename K::SmemQ{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename K::SmemKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename K::SmemKV{});
+    Tensor sVt = make_tensor(sV.data(), typename K::SmemVt{});
+
+    typename K::Copies::GmemLoad gload;
+    auto gthr = gload.get_thread_slice(tid);
+    Tensor tQgQ = gthr.partition_S(gQ);
+    Tensor tQsQ = gthr.partition_D(sQ);
+    Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
+    Tensor tKgK = gthr.partition_S(gK);
+    Tensor tKsK = gthr.partition_D(sK);
+    Tensor tVgV = gthr.partition_S(gV);
+    Tensor tVsV = gthr.partition_D(sV);
+    Tensor tKVc = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
+
+    typename K::TiledMma mma;
+    auto thr_mma = mma.get_thread_slice(tid);
+    Tensor rQ = thr_mma.partition_fragment_A(sQ);
+    Tensor rK = thr_mma.partition_fragment_B(sK);
+    Tensor rVt = thr_mma.partition_fragment_B(sVt);
+    Tensor acc_o = partition_fragment_C(mma, Shape<BM, D>{});
+    clear(acc_o);
+
+    auto copy_q = make_tiled_copy_A(typename K::Copies::LdsmN{}, mma);
+    auto copy_k = make_tiled_copy_B(typename K::Copies::LdsmN{}, mma);
+    auto copy_v = make_tiled_copy_B(typename K::Copies::LdsmT{}, mma);
+    Tensor sQ_part = copy_q.get_thread_slice(tid).partition_S(sQ);
+    Tensor sK_part = copy_k.get_thread_slice(tid).partition_S(sK);
+    Tensor sVt_part = copy_v.get_thread_slice(tid).partition_S(sVt);
+
+    // Tile-local (row, col) of every score this thread holds, as a (rows, cols) view.
+    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{}));
+    Tensor cS_rc = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
+
+    const int rows_left = seq.seqlen_q - row0;
+    load_tile(gload, tQgQ, tQsQ, tQcQ, rows_left, p.headdim);
+    if (n_last > n_first) {
+        const int n = n_last - 1;
+        load_tile(gload, tKgK(_, _, _, n), tKsK, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+    }
+    cp_async_fence();
+
+    Tensor o_rc = make_tensor(acc_o.data(), acc_as_rows_cols(acc_o.layout()));
+    constexpr int kRows = decltype(size<0>(o_rc))::value;
+    OnlineSoftmax<kRows> softmax;
+
+    // Key tiles run from the last to the first so the (possibly) masked tile comes first.
+    for (int n = n_last - 1; n >= n_first; --n) {
+        Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
+        clear(acc_s);
+        cp_async_wait<0>();
+        __syncthreads();  // K(n) has landed and every warp is done reading V(n + 1)
+        load_tile(gload, tVgV(_, _, _, n), tVsV, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+        cp_async_fence();
+
+        gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
+        Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
+        if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
+        if (mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
+            apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) has landed and every warp is done reading K(n)
+        if (n > n_first) {
+            load_tile(gload, tKgK(_, _, _, n - 1), tKsK, tKVc, seq.seqlen_k - (n - 1) * kBlockN,
+                      p.headdim);
+            cp_async_fence();
+        }
+
+        softmax.update(s_rc, o_rc, p.scale_log2);
+        Tensor rP = convert_fragment<T>(acc_s);
+        Tensor rP_a = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+        gemm_reg_smem(mma, acc_o, rP_a, rVt, sVt_part, copy_v);
+    }
+
+    float lse[kRows];
+    softmax.finalize(o_rc, p.scale_log2, lse);
+
+    // Epilogue: O through shared memory (reusing Q's tile) for 16-byte coalesced stores.
+    Tensor rO = convert_fragment<T>(acc_o);
+    __syncthreads();  // no warp still reads sQ (only when the loop did not run)
+    Tensor sO = make_tensor(sQ.data(), typename K::SmemQ{});
+    auto copy_c = make_tiled_copy_C(typename K::Copies::StoreC{}, mma);
+    auto cthr = copy_c.get_thread_slice(tid);
+    copy(copy_c, cthr.retile_S(rO), cthr.partition_D(sO));
+    __syncthreads();
+
+    typename K::Copies::GmemStore gstore;
+    auto sthr = gstore.get_thread_slice(tid);
+    Tensor tOsO = sthr.partition_S(sO);
+    Tensor tOgO = sthr.partition_D(gO);
+    Tensor tOcO = sthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
+    store_tile(gstore, tOsO, tOgO, tOcO, rows_left, p.headdim);
+
+    Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<BM, D>{}));
+    Tensor cO_rc = make_tensor(cO.data(), acc_as_rows_cols(cO.layout()));
+    float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + row0;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cO_rc(r, 0));
+        if (get<1>(cO_rc(r, 0)) == 0 && row < rows_left) lse_ptr[row] = lse[r];
+    }
+}
+
+template <class T, int kHeadDim>
+void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
+    using K = Sm80Fwd<T, kHeadDim>;
+    auto kernel = flash_fwd_sm80_kernel<T, kHeadDim>;
+    if (K::kSmemBytes >= 48 * 1024) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
+    }
+    const int num_m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
+    dim3 grid(num_m_blocks, p.batch, p.nheads);
+    kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
+}
+
+}  // namespace flash

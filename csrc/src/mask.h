@@ -1,0 +1,57 @@
+// Mask policy shared by the SM80 and SM90 kernels: the bottom-right aligned causal/window band
+// plus the key-length bound. Works in sequence coordinates; the kernels map tile coordinates in.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace flash {
+
+struct BandMask {
+    int seqlen_q;
+    int seqlen_k;
+    int left;   // < 0: unbounded
+    int right;  // < 0: unbounded
+
+    // Row i keeps columns [i + shift - left, i + shift + right] intersected with [0, seqlen_k).
+    __host__ __device__ int shift() const { return seqlen_k - seqlen_q; }
+
+    __host__ __device__ bool keep(int row, int col) const {
+        if (col >= seqlen_k) return false;
+        if (right >= 0 && col > row + shift() + right) return false;
+        if (left >= 0 && col < row + shift() - left) return false;
+        return true;
+    }
+
+    // Key blocks [first, last) that rows [row0, row0 + rows) can see.
+    __host__ __device__ void key_block_range(int row0, int rows, int block_n, int& first,
+                                             int& last) const {
+        int col_end = seqlen_k;
+        if (right >= 0) col_end = min(col_end, row0 + rows - 1 + shift() + right + 1);
+        int col_begin = 0;
+        if (left >= 0) col_begin = max(0, row0 + shift() - left);
+        first = col_begin / block_n;
+        last = col_end <= col_begin ? first : (col_end + block_n - 1) / block_n;
+    }
+
+    // Query blocks [first, last) whose rows can see columns [col0, col0 + cols).
+    __host__ __device__ void query_block_range(int col0, int cols, int block_m, int& first,
+                                               int& last) const {
+        int row_begin = 0;
+        if (right >= 0) row_begin = max(0, col0 - shift() - right);
+        int row_end = seqlen_q;
+        if (left >= 0) row_end = min(row_end, col0 + cols - 1 - shift() + left + 1);
+        int num_cols = min(cols, seqlen_k - col0);
+        first = row_begin / block_m;
+        last = (row_end <= row_begin || num_cols <= 0) ? first : (row_end + block_m - 1) / block_m;
+    }
+
+    // True when some element of the tile is masked, so the per-element test must run.
+    __host__ __device__ bool tile_needs_mask(int row0, int rows, int col0, int cols) const {
+        if (col0 + cols > seqlen_k) return true;
+        if (right >= 0 && col0 + cols - 1 > row0 + shift() + right) return true;
+        if (left >= 0 && col0 < row0 + rows - 1 + shift() - left) return true;
+        return false;
+    }
+};
+
+}  // namespace flash

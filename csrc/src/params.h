@@ -1,0 +1,79 @@
+// Kernel parameters shared by the binding and every kernel. Plain structs: no torch here, so the
+// kernels also compile in the torch-free CMake build.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASH_HOST_DEVICE __host__ __device__
+#else
+#define FLASH_HOST_DEVICE
+#endif
+
+namespace flash {
+
+using index_t = int64_t;
+
+// Where one operand lives: strides in elements, last dim contiguous.
+struct TensorStrides {
+    index_t batch = 0;  // unused for varlen (rows are offset by cu_seqlens instead)
+    index_t row = 0;
+    index_t head = 0;
+};
+
+// Sequence geometry and masking, shared by forward and backward.
+struct AttnShape {
+    int batch = 0;
+    int nheads = 0;
+    int nheads_k = 0;
+    int headdim = 0;        // actual head dim (multiple of 8); the kernel tier may be larger
+    int seqlen_q = 0;       // batched: the q length; varlen: max_seqlen_q (grid size only)
+    int seqlen_k = 0;
+    int total_q = 0;        // rows in q's first dim (varlen) or batch * seqlen_q
+    int total_k = 0;
+    const int* cu_seqlens_q = nullptr;  // varlen when non-null, (batch + 1,)
+    const int* cu_seqlens_k = nullptr;
+    const int* seqused_k = nullptr;     // (batch,), optional
+
+    // Scores: s = q.k * scale; with softcap > 0: s = softcap * tanh(q.k * scale / softcap).
+    // The kernels compute exp2(t * scale_log2 - m) with t = q.k (no softcap) or
+    // t = tanh(q.k * softcap_prescale) (softcap).
+    float softmax_scale = 1.f;
+    float scale_log2 = 1.f;
+    float softcap = 0.f;
+    float softcap_prescale = 0.f;
+
+    // Bottom-right aligned window; negative means unbounded on that side.
+    int window_left = -1;
+    int window_right = -1;
+
+    FLASH_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+};
+
+struct FwdParams : AttnShape {
+    const void* q = nullptr;
+    const void* k = nullptr;
+    const void* v = nullptr;
+    void* o = nullptr;
+    float* lse = nullptr;  // batched (b, h, sq); varlen (h, total_q)
+    TensorStrides q_stride, k_stride, v_stride, o_stride;
+    int num_sm = 0;
+};
+
+struct BwdParams : AttnShape {
+    const void* q = nullptr;
+    const void* k = nullptr;
+    const void* v = nullptr;
+    const void* o = nullptr;
+    const void* dout = nullptr;
+    const float* lse = nullptr;
+    void* dq = nullptr;
+    void* dk = nullptr;    // (.., nheads, d): one slot per query head; the binding sums GQA groups
+    void* dv = nullptr;
+    float* dq_accum = nullptr;  // (total_q, nheads, headdim_tier) fp32, zeroed by the binding
+    float* softmax_d = nullptr; // rowsum(dO * O), same layout as lse
+    TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride, dv_stride;
+    int headdim_tier = 0;
+};
+
+}  // namespace flash

@@ -1,0 +1,65 @@
+// Where one (batch, head) problem lives: sequence lengths and row offsets, batched or varlen.
+// Varlen offsets are clamped to the tensors' extents so that inconsistent cu_seqlens never send a
+// kernel out of bounds (they only give wrong numbers, which FLASH_ATTN_CHECK_INPUTS=1 catches).
+#pragma once
+
+#include "mask.h"
+#include "params.h"
+
+namespace flash {
+
+struct SeqInfo {
+    int seqlen_q;
+    int seqlen_k;
+    index_t row_q;  // first row of this sequence in q's row space (batched: bidb * seqlen_q)
+    index_t row_k;
+
+    __device__ SeqInfo(const AttnShape& p, int bidb) {
+        if (p.is_varlen()) {
+            int q0 = min(max(p.cu_seqlens_q[bidb], 0), p.total_q);
+            int q1 = min(max(p.cu_seqlens_q[bidb + 1], q0), p.total_q);
+            int k0 = min(max(p.cu_seqlens_k[bidb], 0), p.total_k);
+            int k1 = min(max(p.cu_seqlens_k[bidb + 1], k0), p.total_k);
+            row_q = q0;
+            row_k = k0;
+            seqlen_q = q1 - q0;
+            seqlen_k = k1 - k0;
+        } else {
+            row_q = index_t(bidb) * p.seqlen_q;
+            row_k = index_t(bidb) * p.seqlen_k;
+            seqlen_q = p.seqlen_q;
+            seqlen_k = p.seqlen_k;
+        }
+        if (p.seqused_k != nullptr) seqlen_k = min(max(p.seqused_k[bidb], 0), seqlen_k);
+    }
+
+    // Element offset of (row, head) for an operand: batched tensors use the batch stride, varlen
+    // ones the row stride (the batch lives in the row index).
+    __device__ index_t q_offset(const TensorStrides& s, const AttnShape& p, int bidb, int row,
+                                int head) const {
+        return offset(s, p, bidb, row_q, row, head);
+    }
+    __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int bidb, int row,
+                                int head) const {
+        return offset(s, p, bidb, row_k, row, head);
+    }
+
+    // lse / softmax_d: batched (b, h, sq), varlen (h, total_q).
+    __device__ index_t lse_offset(const AttnShape& p, int bidb, int head) const {
+        return p.is_varlen() ? index_t(head) * p.total_q + row_q
+                             : (index_t(bidb) * p.nheads + head) * p.seqlen_q;
+    }
+
+    __device__ BandMask mask(const AttnShape& p) const {
+        return BandMask{seqlen_q, seqlen_k, p.window_left, p.window_right};
+    }
+
+  private:
+    __device__ index_t offset(const TensorStrides& s, const AttnShape& p, int bidb, index_t row0,
+                              int row, int head) const {
+        index_t base = p.is_varlen() ? row0 * s.row : index_t(bidb) * s.batch;
+        return base + index_t(row) * s.row + index_t(head) * s.head;
+    }
+};
+
+}  // namespace flash

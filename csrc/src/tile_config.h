@@ -1,0 +1,42 @@
+// The one table of SM80-path tile sizes. Chosen once, deterministically, from the head-dim tier;
+// no runtime tuning. Each row says why.
+#pragma once
+
+namespace flash {
+
+struct Sm80FwdTile {
+    int block_m, block_n, warps;
+};
+
+// Forward: 4 warps own 16-row slices of a 128-row Q tile (two MMA rows each) while K/V stream
+// through shared memory, until the O accumulator (block_m x d / threads floats) crowds the
+// register file; past d=128 8 warps keep it at <= 128 floats per thread.
+constexpr Sm80FwdTile sm80_fwd_tile(int d) {
+    return d <= 64    ? Sm80FwdTile{128, 128, 4}   // small d: wide N tile amortises the softmax
+           : d <= 128 ? Sm80FwdTile{128, 64, 4}    // S (64 floats) + O (<=128 floats) per thread
+                      : Sm80FwdTile{128, 64, 8};   // O stays at <= 128 floats per thread
+}
+
+struct Sm80BwdTile {
+    int block_m, block_n, warps;
+};
+
+// Backward: one CTA owns a K/V block and keeps dK, dV accumulators; 8 warps split them.
+// block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
+// shared memory at block_n = 128, so it drops to 64.
+constexpr Sm80BwdTile sm80_bwd_tile(int d) {
+    return d <= 128 ? Sm80BwdTile{64, 128, 8}   // smem: 128 KiB at d=128
+                    : Sm80BwdTile{64, 64, 8};   // smem: 144 KiB at d=256
+}
+
+// Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
+constexpr int kHeadDimTiers[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+constexpr int headdim_tier(int d) {
+    for (int t : kHeadDimTiers) {
+        if (d <= t) return t;
+    }
+    return 0;
+}
+
+}  // namespace flash
