@@ -41,17 +41,21 @@ struct Sm80Bwd {
     static_assert(kWarps == 8 && kBlockM % 64 == 0 && kBlockN % 64 == 0);
 };
 
+// Rows per CTA of the row_dot and dq_write kernels (a warp per row, 8 warps).
+constexpr int kRowKernelRows = 64;
+
 // softmax_d[row] = sum_c dO[row, c] * O[row, c]; a warp per row, 8 columns per lane.
 template <class T, int kHeadDim>
 __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
-    constexpr int kRowsPerBlock = 64;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int bidb = blockIdx.y;
-    const int bidh = blockIdx.z;
+    const int row_blocks = (p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows;
+    const int row_block = int(blockIdx.x % row_blocks);
+    const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
     float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
-    for (int row = blockIdx.x * kRowsPerBlock + warp; row < min(seq.seqlen_q, (blockIdx.x + 1) * kRowsPerBlock);
+    for (int row = row_block * kRowKernelRows + warp; row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
          row += blockDim.x / 32) {
         const T* o = static_cast<const T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row, bidh);
         const T* dO = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, row, bidh);
@@ -73,13 +77,14 @@ __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
 // dq[row, c] = softmax_scale * dq_accum[row, c]; a warp per row.
 template <class T, int kHeadDim>
 __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
-    constexpr int kRowsPerBlock = 64;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    const int bidb = blockIdx.y;
-    const int bidh = blockIdx.z;
+    const int row_blocks = (p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows;
+    const int row_block = int(blockIdx.x % row_blocks);
+    const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
-    for (int row = blockIdx.x * kRowsPerBlock + warp; row < min(seq.seqlen_q, (blockIdx.x + 1) * kRowsPerBlock);
+    for (int row = row_block * kRowKernelRows + warp; row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
          row += blockDim.x / 32) {
         const float* acc = p.dq_accum + ((seq.row_q + row) * p.nheads + bidh) * index_t(kHeadDim);
         T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
@@ -106,9 +111,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x;
-    const int n_block = blockIdx.x;  // low key tiles see the most causal rows: they launch first
-    const int bidb = blockIdx.y;
-    const int bidh = blockIdx.z;
+    // Flat grid; low key tiles see the most causal rows, so they launch first.
+    const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int n_block = int(blockIdx.x % num_n_blocks);
+    const int bidh = int(blockIdx.x / num_n_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / num_n_blocks) / p.nheads;
     const int bidh_k = bidh / (p.nheads / p.nheads_k);
 
     const SeqInfo seq(p, bidb);
@@ -322,15 +329,14 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 template <class T, int kHeadDim>
 void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
     using K = Sm80Bwd<T, kHeadDim>;
-    constexpr int kRowsPerBlock = 64;
-    dim3 row_grid((p.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.batch, p.nheads);
+    dim3 row_grid(unsigned((p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
     auto kernel = flash_bwd_sm80_kernel<T, kHeadDim>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }
-    dim3 grid((p.seqlen_k + K::kBlockN - 1) / K::kBlockN, p.batch, p.nheads);
+    dim3 grid(unsigned((p.seqlen_k + K::kBlockN - 1) / K::kBlockN) * p.batch * p.nheads);
     kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
 
     flash_bwd_dq_write_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);

@@ -47,10 +47,12 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x;
-    // Causal rows near the bottom see the most keys: launch them first.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int bidb = blockIdx.y;
-    const int bidh = blockIdx.z;
+    // A flat grid (batch and heads can exceed gridDim.y/z limits): the M tiles of one head are
+    // adjacent so they share K/V in L2, bottom tiles (most causal keys) first.
+    const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
+    const int bidh = int(blockIdx.x / num_m_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / num_m_blocks) / p.nheads;
     const int bidh_k = bidh / (p.nheads / p.nheads_k);
 
     const SeqInfo seq(p, bidb);
@@ -123,8 +125,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     OnlineSoftmax<kRows> softmax;
 
-    // Key tiles run from the last to the first so the (possibly) masked tile comes first.
-    for (int n = n_last - 1; n >= n_first; --n) {
+    // One key tile; the masked variant is a separate instantiation so the per-element mask code
+    // never adds register pressure to the unmasked tiles.
+    auto step = [&](int n, auto masked) {
         Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
         clear(acc_s);
         cp_async_wait<0>();
@@ -135,9 +138,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
         Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
         if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
-        if (mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
-            apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
-        }
+        if constexpr (decltype(masked)::value) apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
@@ -151,6 +152,15 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         Tensor rP = convert_fragment<T>(acc_s);
         Tensor rP_a = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
         gemm_reg_smem(mma, acc_o, rP_a, rVt, sVt_part, copy_v);
+    };
+
+    // Key tiles run from the last to the first so the masked diagonal tiles come first.
+    for (int n = n_last - 1; n >= n_first; --n) {
+        if (mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
+            step(n, cute::true_type{});
+        } else {
+            step(n, cute::false_type{});
+        }
     }
 
     float lse[kRows];
@@ -158,7 +168,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     // Epilogue: O through shared memory (reusing Q's tile) for 16-byte coalesced stores.
     Tensor rO = convert_fragment<T>(acc_o);
-    __syncthreads();  // no warp still reads sQ (only when the loop did not run)
+    cp_async_wait<0>();  // when no key tile ran, the Q load may still be landing in sQ
+    __syncthreads();     // and no warp still reads sQ
     Tensor sO = make_tensor(sQ.data(), typename K::SmemQ{});
     auto copy_c = make_tiled_copy_C(typename K::Copies::StoreC{}, mma);
     auto cthr = copy_c.get_thread_slice(tid);
@@ -190,7 +201,7 @@ void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }
     const int num_m_blocks = (p.seqlen_q + K::kBlockM - 1) / K::kBlockM;
-    dim3 grid(num_m_blocks, p.batch, p.nheads);
+    dim3 grid(unsigned(num_m_blocks) * p.batch * p.nheads);
     kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);
 }
 

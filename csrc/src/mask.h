@@ -22,6 +22,12 @@ struct BandMask {
         return true;
     }
 
+    // Kept columns of `row` are [lo, hi).
+    __host__ __device__ void col_limits(int row, int& lo, int& hi) const {
+        hi = right >= 0 ? min(seqlen_k, row + shift() + right + 1) : seqlen_k;
+        lo = left >= 0 ? row + shift() - left : 0;
+    }
+
     // Key blocks [first, last) that rows [row0, row0 + rows) can see.
     __host__ __device__ void key_block_range(int row0, int rows, int block_n, int& first,
                                              int& last) const {

@@ -26,16 +26,24 @@ __forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
 }
 
 // Sets masked scores to -inf. `s` and `coord` are (rows, cols) views; coord holds tile-local
-// (row, col) that row0/col0 shift into sequence coordinates.
+// (row, col) that row0/col0 shift into sequence coordinates. Column offsets inside the thread's
+// fragment are compile-time constants, so each compare is against an immediate and no per-column
+// index stays live in registers (it would be hoisted out of the key loop and spill).
 template <class Tensor, class Coord>
 __forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMask const& mask,
                                            int row0, int col0) {
+    const auto base = coord(0, 0);
+    const auto offsets = coord.layout();
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
+        int lo, hi;
+        mask.col_limits(row0 + get<0>(base) + get<0>(offsets(r, 0)), lo, hi);
+        lo -= col0 + get<1>(base);
+        hi -= col0 + get<1>(base);
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s); ++c) {
-            auto rc = coord(r, c);
-            if (!mask.keep(row0 + get<0>(rc), col0 + get<1>(rc))) s(r, c) = -INFINITY;
+            const int col = get<1>(offsets(0, c));
+            if (col < lo || col >= hi) s(r, c) = -INFINITY;
         }
     }
 }

@@ -1,0 +1,527 @@
+"""Argument validation for every public entry point (the only place users' mistakes become errors).
+
+Every function in :mod:`flash_attn.flash_attn_interface` calls one of the ``validate_*``
+functions below before anything is launched. Errors name the function, the argument, what was
+given and what is expected:
+
+* ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
+* ``ValueError``: a well-typed argument with a bad value or shape.
+* ``NotImplementedError``: a valid combination this package does not implement (dropout,
+  ALiBi, paged KV cache, deterministic CUDA backward).
+
+Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
+number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
+CUDA, so there they only run when the environment variable ``FLASH_ATTN_CHECK_INPUTS=1`` is set.
+On CPU they always run (no sync cost). They are skipped while ``torch.compile`` traces (they are
+data dependent).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+MAX_HEADDIM_CUDA = 256
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+__all__ = [
+    "AttnArgs",
+    "validate_qkv",
+    "validate_qkvpacked",
+    "validate_kvpacked",
+    "validate_varlen_qkv",
+    "validate_varlen_qkvpacked",
+    "validate_varlen_kvpacked",
+    "check_inputs_enabled",
+]
+
+
+@dataclass(frozen=True)
+class AttnArgs:
+    """Normalized description of one validated call.
+
+    For varlen calls ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and
+    ``total_q``/``total_k`` the numbers of rows; for batched calls ``total_*`` are ``None``.
+    ``window_left``/``window_right`` are normalized: -1 means unbounded, and ``causal`` forces
+    ``window_right = 0`` (docs/INTERNALS.md).
+    """
+
+    varlen: bool
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    total_q: Optional[int]
+    total_k: Optional[int]
+    nheads: int
+    nheads_k: int
+    headdim: int
+    softmax_scale: float
+    causal: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    device_type: str
+    dtype: torch.dtype
+
+
+def check_inputs_enabled() -> bool:
+    """Whether the sync-requiring value checks run on CUDA (``FLASH_ATTN_CHECK_INPUTS=1``)."""
+    return os.environ.get("FLASH_ATTN_CHECK_INPUTS", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _is_compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _isfinite(x) -> bool:
+    # Like math.isfinite, but also traceable for torch.compile's symbolic floats.
+    return x == x and abs(x) != math.inf
+
+
+def _dtype_hint(name: str) -> str:
+    return f"cast with {name}.half() or {name}.bfloat16()"
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_tensor(fn: str, name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_device_type(fn: str, name: str, x: Tensor) -> None:
+    if x.device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"{fn}: {name} is on device {x.device}, but only CUDA tensors (kernels) and CPU "
+            f"tensors (PyTorch reference) are supported; move it with {name}.cuda()"
+        )
+
+
+def _check_float_dtype(fn: str, name: str, x: Tensor) -> None:
+    if x.device.type == "cuda":
+        if x.dtype not in CUDA_DTYPES:
+            raise TypeError(
+                f"{fn}: {name} must be float16 or bfloat16 on CUDA, got {x.dtype}; "
+                f"{_dtype_hint(name)}"
+            )
+    elif x.dtype not in CPU_DTYPES:
+        raise TypeError(
+            f"{fn}: {name} must be a floating point tensor (float16, bfloat16, float32 or "
+            f"float64 on CPU), got {x.dtype}"
+        )
+
+
+def _check_same_device(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor) -> None:
+    if x.device != ref.device:
+        raise ValueError(
+            f"{fn}: {name} must be on the same device as {ref_name} ({ref.device}), "
+            f"got {x.device}"
+        )
+
+
+def _check_same_dtype(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(
+            f"{fn}: {name} must have the same dtype as {ref_name} ({ref.dtype}), got {x.dtype}"
+        )
+
+
+def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
+    if x.dim() != rank:
+        raise ValueError(
+            f"{fn}: {name} must be a {rank}-D tensor of shape {layout}, got {x.dim()}-D "
+            f"tensor of shape {tuple(x.shape)}"
+        )
+
+
+def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
+    """Type / device / dtype / rank / shape checks shared by the batched and varlen paths.
+
+    Returns (nheads, nheads_k, headdim)."""
+    nq, nk, nv = names
+    for name, x in ((nq, q), (nk, k), (nv, v)):
+        _check_tensor(fn, name, x)
+    for name, x in ((nq, q), (nk, k), (nv, v)):
+        _check_device_type(fn, name, x)
+    _check_same_device(fn, nq, q, nk, k)
+    _check_same_device(fn, nq, q, nv, v)
+    _check_float_dtype(fn, nq, q)
+    _check_same_dtype(fn, nq, q, nk, k)
+    _check_same_dtype(fn, nq, q, nv, v)
+    if varlen:
+        _check_rank(fn, nq, q, 3, "(total_q, nheads, headdim)")
+        _check_rank(fn, nk, k, 3, "(total_k, nheads_k, headdim)")
+        _check_rank(fn, nv, v, 3, "(total_k, nheads_k, headdim)")
+    else:
+        _check_rank(fn, nq, q, 4, "(batch, seqlen_q, nheads, headdim)")
+        _check_rank(fn, nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+        _check_rank(fn, nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{fn}: {nk} and {nv} must have the same shape, got {nk} {tuple(k.shape)} and "
+            f"{nv} {tuple(v.shape)}"
+        )
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{fn}: {nq} and {nk} must have the same batch size, got {nq} {tuple(q.shape)} "
+            f"(batch {q.shape[0]}) and {nk} {tuple(k.shape)} (batch {k.shape[0]})"
+        )
+    headdim = q.shape[-1]
+    if k.shape[-1] != headdim:
+        raise ValueError(
+            f"{fn}: {nq} and {nk} must have the same headdim (last dim), got {nq} "
+            f"{tuple(q.shape)} and {nk} {tuple(k.shape)}"
+        )
+    if headdim <= 0:
+        raise ValueError(f"{fn}: headdim (last dim of {nq}) must be > 0, got {headdim}")
+    if q.device.type == "cuda" and headdim > MAX_HEADDIM_CUDA:
+        raise ValueError(
+            f"{fn}: headdim (last dim of {nq}) must be <= {MAX_HEADDIM_CUDA} on CUDA, got "
+            f"{headdim}"
+        )
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads_k <= 0 or nheads <= 0:
+        raise ValueError(
+            f"{fn}: number of heads must be > 0, got nheads={nheads} ({nq}) and "
+            f"nheads_k={nheads_k} ({nk})"
+        )
+    if nheads % nheads_k != 0:
+        raise ValueError(
+            f"{fn}: the number of query heads ({nheads}, {nq}.shape[-2]) must be divisible by "
+            f"the number of key/value heads ({nheads_k}, {nk}.shape[-2])"
+        )
+    return nheads, nheads_k, headdim
+
+
+# --------------------------------------------------------------------------------------------
+# Scalar option checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_options(
+    fn: str,
+    device_type: str,
+    headdim: int,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    needs_grad: bool,
+):
+    """Returns (softmax_scale, causal, window_left, window_right, softcap), normalized."""
+    if not _is_real(dropout_p):
+        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if float(dropout_p) > 0.0:
+        raise NotImplementedError(
+            f"{fn}: dropout is not implemented yet (got dropout_p={dropout_p!r}); pass "
+            f"dropout_p=0.0 (apply dropout outside attention if you need it)"
+        )
+
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(headdim)
+    else:
+        if not _is_real(softmax_scale):
+            raise TypeError(
+                f"{fn}: softmax_scale must be a float or None, got {softmax_scale!r}"
+            )
+        scale = float(softmax_scale)
+        if not (_isfinite(scale) and scale > 0.0):
+            raise ValueError(
+                f"{fn}: softmax_scale must be a finite number > 0 (or None for "
+                f"1/sqrt(headdim)), got {softmax_scale!r}"
+            )
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fn}: causal must be a bool, got {causal!r}")
+
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(_is_int(w) for w in window_size)
+    ):
+        raise TypeError(
+            f"{fn}: window_size must be a pair of ints (left, right), -1 meaning unbounded, "
+            f"got {window_size!r}"
+        )
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"{fn}: window_size entries must be >= -1 (-1 means unbounded), got {window_size!r}"
+        )
+    if causal:
+        right = 0
+
+    if not _is_real(softcap):
+        raise TypeError(f"{fn}: softcap must be a float >= 0 (0 disables it), got {softcap!r}")
+    cap = float(softcap)
+    if not (_isfinite(cap) and cap >= 0.0):
+        raise ValueError(
+            f"{fn}: softcap must be a finite number >= 0 (0 disables it), got {softcap!r}"
+        )
+
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            f"{fn}: alibi_slopes is not implemented yet (got a "
+            f"{type(alibi_slopes).__name__}); pass alibi_slopes=None"
+        )
+
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
+    if deterministic and device_type == "cuda" and needs_grad:
+        raise NotImplementedError(
+            f"{fn}: deterministic=True is not implemented for the CUDA backward (it accumulates "
+            f"dq with atomic adds, so results can differ in the last bits between runs); pass "
+            f"deterministic=False, or run the forward without gradients (torch.no_grad())"
+        )
+
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"{fn}: return_attn_probs must be a bool, got {return_attn_probs!r}")
+
+    return scale, causal, left, right, cap
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# cu_seqlens / max_seqlen
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens(fn: str, name: str, cu: Tensor, q_name: str, q: Tensor) -> None:
+    _check_tensor(fn, name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(
+            f"{fn}: {name} must be an int32 tensor of shape (batch + 1,), got {cu.dtype}; "
+            f"convert with {name}.to(torch.int32)"
+        )
+    if cu.dim() != 1:
+        raise ValueError(
+            f"{fn}: {name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}"
+        )
+    if cu.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: {name} must have batch + 1 >= 1 entries (starting with 0), got shape "
+            f"{tuple(cu.shape)}"
+        )
+    _check_same_device(fn, q_name, q, name, cu)
+
+
+def _check_max_seqlen(fn: str, name: str, x) -> int:
+    if isinstance(x, Tensor):
+        raise TypeError(
+            f"{fn}: {name} must be a Python int, got a tensor; pass int({name}) (computing it "
+            f"once per batch, outside the model, avoids a device sync per call)"
+        )
+    if not _is_int(x):
+        raise TypeError(f"{fn}: {name} must be an int, got {x!r}")
+    if x < 0:
+        raise ValueError(f"{fn}: {name} must be >= 0, got {x}")
+    return x
+
+
+def _check_cu_seqlens_values(
+    fn: str, name: str, cu: Tensor, total: int, total_desc: str, max_name: str, max_seqlen: int
+) -> None:
+    vals = [int(x) for x in cu.tolist()]
+    if vals[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {name}[0] = {vals[0]}")
+    lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+    for i, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(
+                f"{fn}: {name} must be nondecreasing, but {name}[{i + 1}] = {vals[i + 1]} < "
+                f"{name}[{i}] = {vals[i]}"
+            )
+    if vals[-1] != total:
+        raise ValueError(
+            f"{fn}: {name}[-1] must equal the number of rows of {total_desc} ({total}), got "
+            f"{vals[-1]}"
+        )
+    longest = max(lens, default=0)
+    if longest > max_seqlen:
+        raise ValueError(
+            f"{fn}: {max_name} must be >= the longest sequence in {name} ({longest}), got "
+            f"{max_seqlen}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def validate_qkv(
+    fn: str,
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    names: Sequence[str] = ("q", "k", "v"),
+    grad_tensors: Optional[Tuple[Tensor, ...]] = None,
+) -> AttnArgs:
+    """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d)."""
+    nheads, nheads_k, headdim = _check_qkv_tensors(fn, names, q, k, v, varlen=False)
+    gt = grad_tensors if grad_tensors is not None else (q, k, v)
+    scale, causal, left, right, cap = _check_options(
+        fn, q.device.type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs, _needs_grad(*gt),
+    )
+    return AttnArgs(
+        varlen=False, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+        total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        softmax_scale=scale, causal=causal, window_left=left, window_right=right,
+        softcap=cap, device_type=q.device.type, dtype=q.dtype,
+    )
+
+
+def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, n: int):
+    _check_tensor(fn, name, x)
+    _check_device_type(fn, name, x)
+    _check_float_dtype(fn, name, x)
+    _check_rank(fn, name, x, rank, layout)
+    if x.shape[pack_dim] != n:
+        raise ValueError(
+            f"{fn}: {name} must have shape {layout} (size {n} at dim {pack_dim}), got "
+            f"{tuple(x.shape)}"
+        )
+
+
+def validate_qkvpacked(fn: str, qkv, **options) -> AttnArgs:
+    """qkv (batch, seqlen, 3, nheads, headdim)."""
+    _check_packed(fn, "qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", 2, 3)
+    return validate_qkv(
+        fn, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"),
+        grad_tensors=(qkv,), **options,
+    )
+
+
+def validate_kvpacked(fn: str, q, kv, **options) -> AttnArgs:
+    """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_tensor(fn, "q", q)
+    _check_packed(fn, "kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", 2, 2)
+    return validate_qkv(
+        fn, q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"), grad_tensors=(q, kv),
+        **options,
+    )
+
+
+def validate_varlen_qkv(
+    fn: str,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    names: Sequence[str] = ("q", "k", "v"),
+    cu_names: Sequence[str] = ("cu_seqlens_q", "cu_seqlens_k"),
+    max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
+    grad_tensors: Optional[Tuple[Tensor, ...]] = None,
+) -> AttnArgs:
+    """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,)."""
+    if block_table is not None:
+        raise NotImplementedError(
+            f"{fn}: block_table (paged KV cache) is not implemented; pass block_table=None"
+        )
+    nheads, nheads_k, headdim = _check_qkv_tensors(fn, names, q, k, v, varlen=True)
+    nq, nk = names[0], names[1]
+    cq, ck = cu_names
+    _check_cu_seqlens(fn, cq, cu_seqlens_q, nq, q)
+    _check_cu_seqlens(fn, ck, cu_seqlens_k, nq, q)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"{fn}: {cq} and {ck} must have the same length (batch + 1), got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    mq = _check_max_seqlen(fn, max_names[0], max_seqlen_q)
+    mk = _check_max_seqlen(fn, max_names[1], max_seqlen_k)
+    gt = grad_tensors if grad_tensors is not None else (q, k, v)
+    scale, causal, left, right, cap = _check_options(
+        fn, q.device.type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs, _needs_grad(*gt),
+    )
+    check_values = q.device.type == "cpu" or (
+        q.device.type == "cuda" and check_inputs_enabled()
+    )
+    if check_values and not _is_compiling():
+        _check_cu_seqlens_values(
+            fn, cq, cu_seqlens_q, q.shape[0], f"{nq} (total_q)", max_names[0], mq
+        )
+        _check_cu_seqlens_values(
+            fn, ck, cu_seqlens_k, k.shape[0], f"{nk} (total_k)", max_names[1], mk
+        )
+    return AttnArgs(
+        varlen=True, batch=cu_seqlens_q.shape[0] - 1, seqlen_q=mq, seqlen_k=mk,
+        total_q=q.shape[0], total_k=k.shape[0], nheads=nheads, nheads_k=nheads_k,
+        headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
+        window_right=right, softcap=cap, device_type=q.device.type, dtype=q.dtype,
+    )
+
+
+def validate_varlen_qkvpacked(fn: str, qkv, cu_seqlens, max_seqlen, **options) -> AttnArgs:
+    """qkv (total, 3, nheads, headdim), cu_seqlens (batch + 1,)."""
+    _check_packed(fn, "qkv", qkv, 4, "(total, 3, nheads, headdim)", 1, 3)
+    return validate_varlen_qkv(
+        fn, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        names=("qkv", "qkv", "qkv"), cu_names=("cu_seqlens", "cu_seqlens"),
+        max_names=("max_seqlen", "max_seqlen"), grad_tensors=(qkv,), **options,
+    )
+
+
+def validate_varlen_kvpacked(
+    fn: str, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
+) -> AttnArgs:
+    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
+    _check_tensor(fn, "q", q)
+    _check_packed(fn, "kv", kv, 4, "(total_k, 2, nheads_k, headdim)", 1, 2)
+    return validate_varlen_qkv(
+        fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
+    )

@@ -1,0 +1,107 @@
+"""Helpers to go between padded batches ``(batch, seqlen, ...)`` and the packed ("unpadded")
+layout ``(total_nnz, ...)`` used by the varlen functions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input"]
+
+
+class IndexFirstAxis(torch.autograd.Function):
+    """``input[indices]`` along the first axis; the backward scatters into zeros."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, indices: Tensor) -> Tensor:
+        ctx.save_for_backward(indices)
+        ctx.first_axis_dim = input.shape[0]
+        # index_select on a 2-D view is faster than advanced indexing with trailing dims.
+        flat = input.reshape(input.shape[0], -1)
+        out = torch.index_select(flat, 0, indices)
+        return out.reshape(indices.shape[0], *input.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (indices,) = ctx.saved_tensors
+        rest = grad_output.shape[1:]
+        grad_flat = grad_output.reshape(grad_output.shape[0], -1)
+        grad_input = grad_flat.new_zeros(ctx.first_axis_dim, grad_flat.shape[1])
+        grad_input.index_copy_(0, indices, grad_flat)
+        return grad_input.reshape(ctx.first_axis_dim, *rest), None
+
+
+index_first_axis = IndexFirstAxis.apply
+
+
+class IndexPutFirstAxis(torch.autograd.Function):
+    """``out = zeros(first_axis_dim, ...); out[indices] = values``; the backward gathers."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, indices: Tensor, first_axis_dim: int) -> Tensor:
+        ctx.save_for_backward(indices)
+        if indices.dim() != 1:
+            raise ValueError(f"index_put_first_axis: indices must be 1-D, got {indices.dim()}-D")
+        out = values.new_zeros(first_axis_dim, *values.shape[1:])
+        out[indices] = values
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        (indices,) = ctx.saved_tensors
+        return grad_output[indices], None, None
+
+
+index_put_first_axis = IndexPutFirstAxis.apply
+
+
+def unpad_input(hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tensor = None):
+    """
+    Arguments:
+        hidden_states: (batch, seqlen, ...)
+        attention_mask: (batch, seqlen), bool / int, 1 means valid and 0 means not valid.
+        unused_mask: (batch, seqlen), bool / int, 1 means the element is allocated but unused.
+    Return:
+        hidden_states: (total_nnz, ...), where total_nnz = number of tokens selected in
+            attention_mask + unused_mask.
+        indices: (total_nnz), the indices of the selected tokens in the flattened
+            (batch * seqlen) input sequence.
+        cu_seqlens: (batch + 1), int32, the cumulative sequence lengths, used to index into
+            hidden_states.
+        max_seqlen_in_batch: int
+        seqused: (batch), int32, the number of tokens selected in attention_mask (without the
+            unused tokens).
+    """
+    selected = attention_mask.bool()
+    if unused_mask is not None:
+        selected = selected | unused_mask.bool()
+    seqlens = selected.sum(dim=-1, dtype=torch.int32)
+    seqused = attention_mask.bool().sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(selected.flatten(), as_tuple=False).flatten()
+    max_seqlen_in_batch = int(seqlens.max().item()) if seqlens.numel() > 0 else 0
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return (
+        index_first_axis(flat, indices),
+        indices,
+        cu_seqlens,
+        max_seqlen_in_batch,
+        seqused,
+    )
+
+
+def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """
+    Arguments:
+        hidden_states: (total_nnz, ...), where total_nnz = number of tokens selected in
+            attention_mask.
+        indices: (total_nnz), the indices that represent the non-masked tokens of the original
+            padded input sequence.
+        batch: int, batch size for the padded sequence.
+        seqlen: int, maximum sequence length for the padded sequence.
+    Return:
+        hidden_states: (batch, seqlen, ...), zeros at the padded positions.
+    """
+    out = index_put_first_axis(hidden_states, indices, batch * seqlen)
+    return out.reshape(batch, seqlen, *hidden_states.shape[1:])

@@ -1,0 +1,438 @@
+"""The public FlashAttention-2 style functions.
+
+All six functions validate their arguments (:mod:`flash_attn._validation`), then call the custom
+op ``torch.ops.flash_attn._fwd`` (:mod:`flash_attn.ops`), whose autograd formula calls
+``torch.ops.flash_attn._bwd``. CUDA tensors run the compiled kernels (``flash_attn._C``); CPU
+tensors run the PyTorch reference (:mod:`flash_attn.reference`), with the same semantics.
+
+Notes common to all functions:
+
+* Inputs whose last dim is not contiguous (``stride(-1) != 1``) are copied with
+  ``.contiguous()``; other strides are passed through (the packed variants pass views of the
+  packed tensor, without a copy).
+* Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
+  (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
+  of the original head dim. Gradients flow back through the padding and the slicing.
+* ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` raise ``NotImplementedError``, as
+  does ``deterministic=True`` when a CUDA backward will be needed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _validation as V
+from . import ops, reference
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]
+
+
+def _maybe_contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _pad_headdim(x: Tensor, headdim: int) -> Tensor:
+    rem = headdim % 8
+    return x if rem == 0 else F.pad(x, [0, 8 - rem])
+
+
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: V.AttnArgs,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    deterministic: bool,
+    return_attn_probs: bool,
+):
+    q0, k0 = q, k
+    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
+    hd = a.headdim
+    qp, kp, vp = _pad_headdim(q, hd), _pad_headdim(k, hd), _pad_headdim(v, hd)
+    out, lse = ops.flash_attn_fwd(
+        qp, kp, vp, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
+        a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
+    )
+    if hd % 8 != 0:
+        out = out[..., :hd]
+    if not return_attn_probs:
+        return out
+    probs = reference.attention_probs_ref(
+        q0.detach(), k0.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
+    )
+    return out, lse, probs
+
+
+_RETURN_DOC = """
+    Return:
+        out: {out_shape}.
+        softmax_lse [optional, if return_attn_probs=True]: {lse_shape}, float32. The
+            logsumexp of each row of the matrix QK^T * scaling (e.g., log of the softmax
+            normalization factor); +inf for rows that attend to no key.
+        S_dmask [optional, if return_attn_probs=True]: {probs_shape}. The attention
+            probabilities softmax(QK^T * scaling) with the masks applied (0 where masked),
+            materialized in PyTorch from q, k and softmax_lse, in float32 (float64 for float64
+            inputs), without gradients. This is for testing only: it costs O(seqlen_q *
+            seqlen_k) memory and is not what the kernel computes internally.
+"""
+
+_BATCHED_RETURN = _RETURN_DOC.format(
+    out_shape="(batch_size, seqlen, nheads, headdim)",
+    lse_shape="(batch_size, nheads, seqlen)",
+    probs_shape="(batch_size, nheads, seqlen_q, seqlen_k)",
+)
+_VARLEN_RETURN = _RETURN_DOC.format(
+    out_shape="(total, nheads, headdim)",
+    lse_shape="(nheads, total_q_seqlen)",
+    probs_shape="(batch_size, nheads, max_seqlen_q, max_seqlen_k),\n            zero "
+    "beyond each sequence's lengths",
+)
+
+_COMMON_ARGS_DOC = """
+        dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
+            implemented yet; dropout_p > 0 raises NotImplementedError).
+        softmax_scale: float. The scaling of QK^T before applying softmax.
+            Default to 1 / sqrt(headdim).
+        causal: bool. Whether to apply causal attention mask (e.g., for auto-regressive
+            modeling).
+        window_size: (left, right). If not (-1, -1), implements sliding window local
+            attention.
+        softcap: float. Anything > 0 activates softcapping attention.
+        alibi_slopes: must be None (ALiBi is not implemented yet).
+        deterministic: bool. Whether to use the deterministic implementation of the backward
+            pass. The CUDA backward is not deterministic (dq is accumulated with atomic adds),
+            so True raises NotImplementedError when gradients are needed on CUDA. The CPU
+            reference is always deterministic.
+        return_attn_probs: bool. Whether to return the attention probabilities. This option
+            is for testing only: the probabilities are recomputed in PyTorch (see below)."""
+
+_MASK_DOC = """
+    If causal=True, the causal mask is aligned to the bottom right corner of the attention
+    matrix. For example, if seqlen_q = 2 and seqlen_k = 5, the causal mask (1 = keep,
+    0 = masked out) is:
+        1 1 1 1 0
+        1 1 1 1 1
+    If seqlen_q = 5 and seqlen_k = 2, the causal mask is:
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+    If a row of the mask is all zero, the output for that row is zero (and its logsumexp is
+    +inf).
+
+    If window_size != (-1, -1), implements sliding window local attention. Query at position
+    i will only attend to keys between
+    [i + seqlen_k - seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]]
+    inclusive.
+
+    Inputs may be strided views (no copy); only a last dim with stride != 1 is copied
+    (.contiguous()). Head dims that are not a multiple of 8 are zero-padded (a copy) and the
+    output is sliced back. CPU tensors run the PyTorch reference implementation."""
+
+_GQA_DOC = """
+    Supports multi-query and grouped-query attention (MQA/GQA) by passing in KV with fewer
+    heads than Q. Note that the number of heads in Q must be divisible by the number of heads
+    in KV. For example, if Q has 6 heads and K, V have 2 heads, heads 0, 1, 2 of Q will
+    attend to head 0 of K, V, and heads 3, 4, 5 of Q will attend to head 1 of K, V."""
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    fn = "flash_attn_qkvpacked_func"
+    a = V.validate_qkvpacked(
+        fn, qkv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    q, k, v = qkv.unbind(dim=2)
+    return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
+                      return_attn_probs)
+
+
+flash_attn_qkvpacked_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+    If Q, K, V are already stacked into 1 tensor, this function will be faster than
+    calling flash_attn_func on Q, K, V since the backward pass avoids explicit concatenation
+    of the gradients of Q, K, V. (Here q, k, v are views of qkv, without a copy; the gradient
+    reaches qkv.)
+    For multi-query and grouped-query attention (MQA/GQA), please see
+    flash_attn_kvpacked_func and flash_attn_func.
+"""
+    + _MASK_DOC
+    + """
+
+    Arguments:
+        qkv: (batch_size, seqlen, 3, nheads, headdim)"""
+    + _COMMON_ARGS_DOC
+    + _BATCHED_RETURN
+)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    fn = "flash_attn_kvpacked_func"
+    a = V.validate_kvpacked(
+        fn, q, kv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    k, v = kv.unbind(dim=2)
+    return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
+                      return_attn_probs)
+
+
+flash_attn_kvpacked_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+    If K, V are already stacked into 1 tensor, this function will be faster than
+    calling flash_attn_func on Q, K, V since the backward pass avoids explicit concatenation
+    of the gradients of K, V. (Here k, v are views of kv; the gradient reaches kv.)
+"""
+    + _GQA_DOC
+    + "\n"
+    + _MASK_DOC
+    + """
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim)
+        kv: (batch_size, seqlen_k, 2, nheads_k, headdim)"""
+    + _COMMON_ARGS_DOC
+    + _BATCHED_RETURN
+)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    fn = "flash_attn_func"
+    a = V.validate_qkv(
+        fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
+                      return_attn_probs)
+
+
+flash_attn_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+"""
+    + _GQA_DOC
+    + "\n"
+    + _MASK_DOC
+    + """
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim)
+        k: (batch_size, seqlen_k, nheads_k, headdim)
+        v: (batch_size, seqlen_k, nheads_k, headdim)"""
+    + _COMMON_ARGS_DOC
+    + _BATCHED_RETURN
+)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    fn = "flash_attn_varlen_qkvpacked_func"
+    a = V.validate_varlen_qkvpacked(
+        fn, qkv, cu_seqlens, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    q, k, v = qkv.unbind(dim=1)
+    return _attention(q, k, v, a, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                      deterministic, return_attn_probs)
+
+
+flash_attn_varlen_qkvpacked_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+    If Q, K, V are already stacked into 1 tensor, this function will be faster than
+    calling flash_attn_varlen_func on Q, K, V since the backward pass avoids explicit
+    concatenation of the gradients of Q, K, V. (Here q, k, v are views of qkv; the gradient
+    reaches qkv.)
+    For multi-query and grouped-query attention (MQA/GQA), please see
+    flash_attn_varlen_kvpacked_func and flash_attn_varlen_func.
+"""
+    + _MASK_DOC
+    + """
+    The masks are applied per sequence (seqlen_q = seqlen_k = that sequence's length).
+
+    Arguments:
+        qkv: (total, 3, nheads, headdim), where total = total number of tokens in the batch.
+        cu_seqlens: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
+            of the sequences in the batch, used to index into qkv.
+        max_seqlen: int. Maximum sequence length in the batch."""
+    + _COMMON_ARGS_DOC
+    + _VARLEN_RETURN
+)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    fn = "flash_attn_varlen_kvpacked_func"
+    a = V.validate_varlen_kvpacked(
+        fn, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    k, v = kv.unbind(dim=1)
+    return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      deterministic, return_attn_probs)
+
+
+flash_attn_varlen_kvpacked_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+    If K, V are already stacked into 1 tensor, this function will be faster than
+    calling flash_attn_varlen_func on Q, K, V since the backward pass avoids explicit
+    concatenation of the gradients of K, V. (Here k, v are views of kv; the gradient
+    reaches kv.)
+"""
+    + _GQA_DOC
+    + "\n"
+    + _MASK_DOC
+    + """
+    The masks are applied per sequence, with that sequence's seqlen_q and seqlen_k.
+
+    Arguments:
+        q: (total_q, nheads, headdim), where total_q = total number of query tokens in the
+            batch.
+        kv: (total_k, 2, nheads_k, headdim), where total_k = total number of key tokens in
+            the batch.
+        cu_seqlens_q: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
+            of the sequences in the batch, used to index into q.
+        cu_seqlens_k: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
+            of the sequences in the batch, used to index into kv.
+        max_seqlen_q: int. Maximum query sequence length in the batch.
+        max_seqlen_k: int. Maximum key sequence length in the batch."""
+    + _COMMON_ARGS_DOC
+    + _VARLEN_RETURN
+)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    fn = "flash_attn_varlen_func"
+    a = V.validate_varlen_qkv(
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        block_table=block_table,
+    )
+    return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      deterministic, return_attn_probs)
+
+
+flash_attn_varlen_func.__doc__ = (
+    """dropout_p should be set to 0.0 during evaluation.
+"""
+    + _GQA_DOC
+    + "\n"
+    + _MASK_DOC
+    + """
+    The masks are applied per sequence, with that sequence's seqlen_q and seqlen_k.
+
+    Arguments:
+        q: (total_q, nheads, headdim), where total_q = total number of query tokens in the
+            batch.
+        k: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
+            batch.
+        v: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
+            batch.
+        cu_seqlens_q: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
+            of the sequences in the batch, used to index into q.
+        cu_seqlens_k: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
+            of the sequences in the batch, used to index into kv.
+        max_seqlen_q: int. Maximum query sequence length in the batch.
+        max_seqlen_k: int. Maximum key sequence length in the batch."""
+    + _COMMON_ARGS_DOC
+    + """
+        block_table: must be None (paged KV cache is not implemented;
+            anything else raises NotImplementedError)."""
+    + _VARLEN_RETURN
+)

@@ -1,0 +1,239 @@
+"""``torch.library`` custom ops wrapping the attention kernels.
+
+* ``torch.ops.flash_attn._fwd`` -> ``(out, softmax_lse)``
+* ``torch.ops.flash_attn._bwd`` -> ``(dq, dk, dv)``
+
+Device implementations: CUDA calls the extension ``flash_attn._C`` (imported lazily, so that
+this module imports without it); CPU runs :mod:`flash_attn.reference`. Both ops have fake
+(meta) implementations, so they trace under ``torch.compile`` as single opaque nodes, and
+``_fwd`` has an autograd formula that calls ``_bwd``.
+
+The signatures follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with two differences:
+the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are not exposed
+(the ops are functional, ``mutates_args=()``; the extension is called with ``None`` for them),
+and ``_fwd`` takes a trailing ``deterministic`` flag that the forward ignores and that is handed
+to ``_bwd`` by the autograd formula.
+
+Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
+stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),
+``softmax_scale`` already resolved to a float, and the window normalized
+(``causal`` implies ``window_right == 0``).
+
+Outputs are always freshly allocated contiguous tensors: ``out`` has q's shape and dtype,
+``softmax_lse`` is float32 of shape ``(batch, nheads, seqlen_q)``, or ``(nheads, total_q)`` for
+varlen (``cu_seqlens_q`` given); ``dq, dk, dv`` have the shapes and dtypes of q, k, v.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "load_extension"]
+
+_EXT = None
+
+
+def load_extension():
+    """Import ``flash_attn._C`` (once), or raise a RuntimeError saying why it is unavailable."""
+    global _EXT
+    if _EXT is None:
+        try:
+            from . import _C  # noqa: F401  (the compiled extension)
+        except Exception as e:  # ImportError, OSError (missing libs), undefined symbols ...
+            raise RuntimeError(
+                "flash_attn: the CUDA extension flash_attn._C is not available ("
+                f"{type(e).__name__}: {e}). It was not built or does not load in this "
+                "environment; run `python -m flash_attn` to see the build status, and rebuild "
+                "with `pip install -e .` on a machine with CUDA. CPU tensors run the PyTorch "
+                "reference and do not need it."
+            ) from e
+        _EXT = _C
+    return _EXT
+
+
+def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
+    if cu_seqlens_q is not None:
+        return (q.shape[1], q.shape[0])  # (nheads, total_q)
+    return (q.shape[0], q.shape[2], q.shape[1])  # (batch, nheads, seqlen_q)
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_attn::_fwd", mutates_args=())
+def flash_attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    raise NotImplementedError(
+        f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
+    )
+
+
+@flash_attn_fwd.register_kernel("cpu")
+def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+             softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    return reference.attention_forward_ref(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right, softcap,
+    )
+
+
+def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    # Nothing to launch: no query rows, or no keys at all (every row then has no kept key).
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(_lse_shape(q, cu_seqlens_q), float("inf"), dtype=torch.float32,
+                     device=q.device)
+    return out, lse
+
+
+@flash_attn_fwd.register_kernel("cuda")
+def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    if q.numel() == 0 or k.numel() == 0:
+        return _empty_forward(q, cu_seqlens_q)
+    ext = load_extension()
+    out, lse = ext.fwd(
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right, softcap,
+    )
+    return out, lse
+
+
+@flash_attn_fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+    out = q.new_empty(q.shape)  # contiguous, like the real implementations
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_attn::_bwd", mutates_args=())
+def flash_attn_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    raise NotImplementedError(
+        f"flash_attn::_bwd has no implementation for device {q.device} (CUDA and CPU only)"
+    )
+
+
+@flash_attn_bwd.register_kernel("cpu")
+def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+             deterministic):
+    # The reference is deterministic whatever `deterministic` says.
+    return reference.attention_backward_ref(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+    )
+
+
+@flash_attn_bwd.register_kernel("cuda")
+def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+              deterministic):
+    if deterministic:
+        raise NotImplementedError(
+            "flash_attn: deterministic=True is not implemented for the CUDA backward (dq is "
+            "accumulated with atomic adds); pass deterministic=False"
+        )
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    ext = load_extension()
+    dq, dk, dv = ext.bwd(
+        dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+        deterministic,
+    )
+    return dq, dk, dv
+
+
+@flash_attn_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+              deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+     softmax_scale, causal, window_left, window_right, softcap, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.has_seqused_k = seqused_k is not None
+    ctx.max_seqlen_q = max_seqlen_q
+    ctx.max_seqlen_k = max_seqlen_k
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.window_left = window_left
+    ctx.window_right = window_right
+    ctx.softcap = softcap
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    # dlse is ignored: softmax_lse is marked non-differentiable.
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if ctx.has_seqused_k:
+        raise NotImplementedError(
+            "flash_attn: the backward pass does not support seqused_k (forward only, see "
+            "docs/INTERNALS.md)"
+        )
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = flash_attn_bwd(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+        ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left, ctx.window_right,
+        ctx.softcap, ctx.deterministic,
+    )
+    return (dq, dk, dv) + (None,) * 11
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,372 @@
+"""Pure-PyTorch reference attention with exactly the semantics of docs/INTERNALS.md.
+
+This module is what the CPU path of :mod:`flash_attn.ops` runs, and what the GPU tests compare
+the kernels against. It is written for clarity, not speed: it materializes the full
+``(batch, nheads, seqlen_q, seqlen_k)`` score matrix.
+
+Semantics (shared with the CUDA kernels):
+
+* ``s = (q . k) * softmax_scale``; with ``softcap > 0``: ``s = softcap * tanh(s / softcap)``.
+* Masks are aligned bottom-right: for query row ``i`` and key column ``j`` of one sequence, with
+  ``shift = seqlen_k - seqlen_q``, the window ``(left, right)`` keeps
+  ``i + shift - left <= j <= i + shift + right`` (a negative bound is unbounded), and
+  ``causal=True`` means ``right = 0``. ``j < seqlen_k`` always.
+* ``seqused_k[b]`` (optional) limits batch ``b`` to its first ``seqused_k[b]`` keys; the mask's
+  ``seqlen_k`` is then ``seqused_k[b]``.
+* Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA).
+* A row with no kept column has output 0, log-sum-exp ``+inf`` and zero gradients.
+
+Everything is computed in float32 (float64 if any input is float64). ``out`` (and ``dq``,
+``dk``, ``dv``) come back in the input dtype, ``softmax_lse`` always in float32 (as the kernels
+return it). The forward is differentiable through ordinary torch ops, with no NaN gradients on
+fully masked rows; :func:`attention_backward_ref` computes the same gradients explicitly (the
+form the kernels use) so that it can run where autograd is not available (inside a custom op).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "attention_forward_ref",
+    "attention_backward_ref",
+    "attention_probs_ref",
+    "keep_mask",
+]
+
+
+def _compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def _normalize_window(causal: bool, window_left: int, window_right: int) -> Tuple[int, int]:
+    left = -1 if window_left is None or window_left < 0 else int(window_left)
+    right = -1 if window_right is None or window_right < 0 else int(window_right)
+    if causal:
+        right = 0
+    return left, right
+
+
+def keep_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    seqused_k: Optional[Tensor] = None,
+    device: Optional[torch.device] = None,
+) -> Tensor:
+    """Boolean mask of kept (query, key) pairs, ``True`` = attended.
+
+    Returns shape ``(seqlen_q, seqlen_k)``, or ``(batch, 1, seqlen_q, seqlen_k)`` when
+    ``seqused_k (batch,)`` is given (then the effective ``seqlen_k`` of batch ``b``, used both for
+    the bottom-right alignment and for the ``j < seqlen_k`` bound, is ``seqused_k[b]``).
+    """
+    left, right = _normalize_window(causal, window_left, window_right)
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    if seqused_k is not None:
+        sk = seqused_k.to(device=device, dtype=torch.long).view(-1, 1, 1, 1)
+        i = i.view(1, 1, seqlen_q, 1)
+        j = j.view(1, 1, 1, seqlen_k)
+    else:
+        sk = seqlen_k
+    diag = i + (sk - seqlen_q)  # the key column aligned with query row i
+    keep = j < sk
+    if left >= 0:
+        keep = keep & (j >= diag - left)
+    if right >= 0:
+        keep = keep & (j <= diag + right)
+    return keep
+
+
+def _expand_kv_heads(x: Tensor, nheads: int) -> Tensor:
+    """(b, s, nheads_k, d) -> (b, s, nheads, d): query head h reads kv head h // group."""
+    nheads_k = x.shape[2]
+    if nheads_k == nheads:
+        return x
+    return x.repeat_interleave(nheads // nheads_k, dim=2)
+
+
+def _reduce_kv_heads(dx: Tensor, nheads_k: int) -> Tensor:
+    """(b, s, nheads, d) -> (b, s, nheads_k, d): sum the gradients of each GQA group."""
+    b, s, h, d = dx.shape
+    if h == nheads_k:
+        return dx
+    return dx.reshape(b, s, nheads_k, h // nheads_k, d).sum(dim=3)
+
+
+def _scores(q: Tensor, k: Tensor, softmax_scale: float, softcap: float):
+    """q (b, sq, h, d), k (b, sk, h, d), compute dtype -> (s, tanh(s_raw/cap) or None), each
+    (b, h, sq, sk)."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def _masked_softmax(s: Tensor, keep: Tensor):
+    """Softmax over the kept entries of the last dim without producing NaNs (values or grads).
+
+    Returns (p, lse): p is 0 where not kept, and rows with nothing kept get p = 0, lse = +inf.
+    """
+    neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    # The row max is for numerical stability only; softmax is invariant to it, so detaching it
+    # keeps the gradient exact while avoiding gradients through -inf / max.
+    if s.shape[-1] == 0:  # no keys at all
+        m = s.new_zeros(s.shape[:-1] + (1,))
+    else:
+        m = torch.where(keep, s, neg_inf).amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    shifted = torch.where(keep, s - m, torch.zeros_like(s))
+    e = torch.where(keep, torch.exp(shifted), torch.zeros_like(s))
+    denom = e.sum(dim=-1, keepdim=True)
+    has_any = denom > 0
+    safe_denom = torch.where(has_any, denom, torch.ones_like(denom))
+    p = e / safe_denom
+    lse = torch.where(
+        has_any, m + torch.log(safe_denom), torch.full_like(denom, float("inf"))
+    ).squeeze(-1)
+    return p, lse
+
+
+def _check_scale(softmax_scale: Optional[float], headdim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    return float(softmax_scale)
+
+
+def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k):
+    """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d).
+
+    Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    ke = _expand_kv_heads(k, h)
+    ve = _expand_kv_heads(v, h)
+    s, _ = _scores(q, ke, softmax_scale, softcap)
+    keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
+    p, lse = _masked_softmax(s, keep)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, ve)
+    return out, lse
+
+
+def _backward_dense(
+    dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k
+):
+    """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    ke = _expand_kv_heads(k, h)
+    ve = _expand_kv_heads(v, h)
+    s, t = _scores(q, ke, softmax_scale, softcap)
+    keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
+    p, _ = _masked_softmax(s, keep)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
+    delta = (p * dp).sum(dim=-1, keepdim=True)  # == rowsum(dout * out)
+    ds = p * (dp - delta)  # gradient w.r.t. the (capped) score; 0 where not kept
+    if t is not None:
+        ds = ds * (1.0 - t * t)  # d/dx [c * tanh(x / c)] = 1 - tanh^2
+    ds = ds * softmax_scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    return dq, _reduce_kv_heads(dk, hk), _reduce_kv_heads(dv, hk)
+
+
+def _seq_bounds(cu_seqlens: Tensor) -> List[int]:
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def attention_forward_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """Reference forward.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) with cu_seqlens_q.
+        k, v: (batch, seqlen_k, nheads_k, headdim), or (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 (varlen), or both None.
+        seqused_k: (batch,) int32 or None: batch b only uses its first seqused_k[b] keys.
+        max_seqlen_q, max_seqlen_k: ignored (the reference reads the lengths from cu_seqlens).
+        softmax_scale: default 1 / sqrt(headdim).
+        causal, window_left, window_right, softcap: see the module docstring.
+    Return:
+        out: same shape and dtype as q, contiguous.
+        softmax_lse: float32, (batch, nheads, seqlen_q), or
+            (nheads, total_q) for varlen; +inf for rows with no kept key.
+    """
+    del max_seqlen_q, max_seqlen_k
+    cdt = _compute_dtype(q, k, v)
+    lse_dtype = torch.float32
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    if cu_seqlens_q is None:
+        out, lse = _forward_dense(
+            qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k
+        )
+        return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
+
+    total_q, h, d = q.shape
+    bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+    used = seqused_k.tolist() if seqused_k is not None else None
+    out_parts, lse_parts = [], []
+    covered = 0
+    for b in range(len(bq) - 1):
+        q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
+        if used is not None:
+            k1 = k0 + min(int(used[b]), k1 - k0)
+        o, l = _forward_dense(
+            qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
+            scale, causal, window_left, window_right, softcap, None,
+        )
+        out_parts.append(o[0])
+        lse_parts.append(l[0])
+        covered = q1
+    # Rows past cu_seqlens_q[-1] (if any) belong to no sequence: output 0, lse +inf.
+    if covered < total_q:
+        out_parts.append(qc.new_zeros(total_q - covered, h, d))
+        lse_parts.append(qc.new_full((h, total_q - covered), float("inf")))
+    out = torch.cat(out_parts, dim=0) if out_parts else qc.new_zeros(total_q, h, d)
+    lse = torch.cat(lse_parts, dim=1) if lse_parts else qc.new_full((h, total_q), float("inf"))
+    return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
+
+
+def attention_backward_ref(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Optional[Tensor] = None,
+    softmax_lse: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    *,
+    seqused_k: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Reference backward: (dq, dk, dv) in the dtypes of (q, k, v), contiguous.
+
+    The gradients are the exact gradients of :func:`attention_forward_ref`'s ``out``, recomputed
+    from ``q, k, v`` in float32 (float64 for float64 inputs). ``out`` and ``softmax_lse`` are
+    accepted for signature parity with ``_C.bwd`` but are not used (recomputing them in high
+    precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
+    are summed over each GQA group. Rows with no kept key contribute nothing.
+    """
+    del out, softmax_lse, max_seqlen_q, max_seqlen_k
+    cdt = _compute_dtype(q, k, v, dout)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
+    if cu_seqlens_q is None:
+        dq, dk, dv = _backward_dense(
+            doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k
+        )
+    else:
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+        used = seqused_k.tolist() if seqused_k is not None else None
+        for b in range(len(bq) - 1):
+            q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
+            if used is not None:
+                k1 = k0 + min(int(used[b]), k1 - k0)
+            g = _backward_dense(
+                doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
+                vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
+            )
+            dq[q0:q1] = g[0][0]
+            dk[k0:k1] = g[1][0]
+            dv[k0:k1] = g[2][0]
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+    )
+
+
+def attention_probs_ref(
+    q: Tensor,
+    k: Tensor,
+    softmax_lse: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> Tensor:
+    """The attention probabilities ``exp(s - softmax_lse)`` on kept entries, 0 elsewhere.
+
+    Used by ``return_attn_probs=True`` (testing only). Computed in float32 (float64 for float64
+    inputs) and returned in that dtype, without gradients.
+
+    Return:
+        (batch, nheads, seqlen_q, seqlen_k); for varlen (batch, nheads, max_seqlen_q,
+        max_seqlen_k), zero-padded past each sequence's lengths.
+    """
+    cdt = _compute_dtype(q, k)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    with torch.no_grad():
+        qc, kc = q.to(cdt), k.to(cdt)
+        lse = softmax_lse.to(cdt)
+
+        def dense(qb, kb, lseb):
+            h = qb.shape[2]
+            s, _ = _scores(qb, _expand_kv_heads(kb, h), scale, softcap)
+            keep = keep_mask(qb.shape[1], kb.shape[1], causal, window_left, window_right,
+                             device=qb.device)
+            # exp(s - (+inf)) = 0 on rows with nothing kept; where() also drops masked entries.
+            return torch.where(keep, torch.exp(s - lseb.unsqueeze(-1)), torch.zeros_like(s))
+
+        if cu_seqlens_q is None:
+            return dense(qc, kc, lse)
+        bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+        batch = len(bq) - 1
+        lens_q = [bq[i + 1] - bq[i] for i in range(batch)]
+        lens_k = [bk[i + 1] - bk[i] for i in range(batch)]
+        mq = max(lens_q, default=0) if max_seqlen_q is None else int(max_seqlen_q)
+        mk = max(lens_k, default=0) if max_seqlen_k is None else int(max_seqlen_k)
+        if any(n > mq for n in lens_q) or any(n > mk for n in lens_k):
+            raise ValueError(
+                f"attention_probs_ref: max_seqlen_q={mq} / max_seqlen_k={mk} are smaller than "
+                f"the longest sequence in cu_seqlens_q ({max(lens_q)}) / cu_seqlens_k "
+                f"({max(lens_k)})"
+            )
+        h = q.shape[1]
+        probs = qc.new_zeros(batch, h, mq, mk)
+        for b in range(batch):
+            p = dense(
+                qc[bq[b]:bq[b + 1]].unsqueeze(0),
+                kc[bk[b]:bk[b + 1]].unsqueeze(0),
+                lse[:, bq[b]:bq[b + 1]].unsqueeze(0),
+            )
+            probs[b, :, : lens_q[b], : lens_k[b]] = p[0]
+        return probs

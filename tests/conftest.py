@@ -1,0 +1,50 @@
+"""Shared pytest configuration.
+
+* Registers the ``gpu`` marker; tests marked ``gpu``, and the tests of files named
+  ``test_*gpu*.py`` (the convention of the GPU test files), are skipped when no CUDA device is
+  usable, so ``pytest tests/`` works on CPU-only machines. ``-k "not gpu"`` deselects them.
+* Keeps CPU tests quick and reproducible: few intra-op threads, no TF32.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the built flash_attn._C")
+    config.addinivalue_line("markers", "slow: slow test")
+
+
+def _cuda_usable() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_usable():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device available")
+    for item in items:
+        name = getattr(item, "path", None)
+        in_gpu_file = name is not None and name.name.startswith("test_") and "gpu" in name.name
+        if item.get_closest_marker("gpu") is not None or in_gpu_file:
+            item.add_marker(skip)
+
+
+def pytest_sessionstart(session):
+    # The CPU suite is run on small machines; oversubscribing threads only slows it down.
+    if "FLASH_ATTN_TEST_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["FLASH_ATTN_TEST_THREADS"]))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture
+def seed():
+    """Seed torch's RNG per test (tests draw fresh random data after this)."""
+    torch.manual_seed(0)
+    return 0

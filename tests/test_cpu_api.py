@@ -1,0 +1,501 @@
+"""Public API semantics on CPU (the PyTorch reference path): packed vs unpacked, gradients,
+return_attn_probs, head dim padding, default scale, varlen, gradcheck through the public API."""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flash_attn.reference import attention_forward_ref
+
+
+def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=0.0):
+    """Batched explicit-mask attention in float64 (independent of flash_attn.reference)."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:
+        right = 0
+    i = torch.arange(sq).view(-1, 1) + (sk - sq)
+    j = torch.arange(sk).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("bhij,bjhd->bihd", p, v)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return out, lse, p
+
+
+def rand(*shape, dtype=torch.float64, requires_grad=False):
+    return torch.randn(*shape, dtype=dtype, requires_grad=requires_grad)
+
+
+def cu_from_lens(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def test_exports_and_version():
+    assert flash_attn.__version__ == "0.1.0"
+    for name in ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                 "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                 "flash_attn_varlen_kvpacked_func", "build_info"]:
+        assert callable(getattr(flash_attn, name)), name
+
+
+def test_signatures_match_flash_attention_2():
+    common = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+              "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
+    expected = {
+        flash_attn_func: f"(q, k, v, {common})",
+        flash_attn_qkvpacked_func: f"(qkv, {common})",
+        flash_attn_kvpacked_func: f"(q, kv, {common})",
+        flash_attn_varlen_qkvpacked_func: f"(qkv, cu_seqlens, max_seqlen, {common})",
+        flash_attn_varlen_kvpacked_func:
+            f"(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common})",
+        flash_attn_varlen_func:
+            f"(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
+            "block_table=None)",
+    }
+    for fn, sig in expected.items():
+        assert str(inspect.signature(fn)) == sig, fn.__name__
+        assert fn.__doc__ and "Arguments:" in fn.__doc__ and "Return:" in fn.__doc__
+
+
+def test_build_info_without_extension():
+    info = flash_attn.build_info()
+    assert info["torch"] == torch.__version__
+    assert info["flash_attn"] == "0.1.0"
+    if not info["available"]:
+        assert isinstance(info["reason"], str) and info["reason"]
+
+
+def test_build_info_merges_extension_info(monkeypatch):
+    import sys
+    import types
+
+    import flash_attn as fa
+
+    fake = types.ModuleType("flash_attn._C")
+    fake.build_info = lambda: {"archs": [80], "cuda": "12.4", "cutlass": "4.2.0", "kernels": [
+        {"kind": "fwd", "arch": 80, "dtype": "bf16", "headdim": 64}]}
+    monkeypatch.setitem(sys.modules, "flash_attn._C", fake)
+    monkeypatch.setattr(fa, "_C", fake, raising=False)
+    info = fa.build_info()
+    assert info["available"] is True and "reason" not in info
+    assert info["archs"] == [80] and info["cuda"] == "12.4" and info["cutlass"] == "4.2.0"
+    assert info["kernels"][0]["headdim"] == 64 and info["torch"] == torch.__version__
+
+
+def test_missing_extension_error_points_to_build_status():
+    from flash_attn import ops
+
+    if flash_attn.build_info()["available"]:
+        pytest.skip("the extension is built here")
+    with pytest.raises(RuntimeError, match="python -m flash_attn"):
+        ops.load_extension()
+
+
+def test_main_prints_status():
+    from flash_attn.__main__ import format_build_info
+
+    text = format_build_info(flash_attn.build_info())
+    assert "flash_attn 0.1.0" in text and "torch" in text
+    fake = {
+        "available": True, "flash_attn": "0.1.0", "torch": "x", "torch_cuda": "12.4",
+        "cuda_available": True, "archs": [80, 90], "cuda": "12.4", "cutlass": "3.5",
+        "kernels": [
+            {"kind": "fwd", "arch": 80, "dtype": "fp16", "headdim": 128},
+            {"kind": "fwd", "arch": 80, "dtype": "fp16", "headdim": 64},
+            {"kind": "bwd", "arch": 80, "dtype": "bf16", "headdim": 64},
+            {"kind": "fwd", "arch": 90, "dtype": "bf16", "headdim": 128},
+        ],
+    }
+    text = format_build_info(fake)
+    assert "sm_80, sm_90" in text
+    assert "sm_80 fwd fp16: headdim 64, 128" in text
+    assert "sm_80 bwd bf16: headdim 64" in text
+    assert "sm_90 fwd bf16: headdim 128" in text
+
+
+@pytest.mark.parametrize(
+    "sq,sk,h,hk,d,causal,window,softcap",
+    [
+        (5, 5, 2, 2, 8, False, (-1, -1), 0.0),
+        (3, 8, 4, 2, 16, True, (-1, -1), 0.0),
+        (8, 3, 4, 1, 8, True, (-1, -1), 0.0),
+        (6, 7, 2, 2, 8, False, (2, 1), 0.0),
+        (6, 6, 4, 2, 8, True, (1, -1), 1.5),
+        (4, 6, 3, 3, 5, False, (-1, -1), 0.0),   # head dim not a multiple of 8
+        (4, 4, 2, 1, 20, True, (-1, -1), 0.0),   # head dim not a multiple of 8
+    ],
+)
+def test_flash_attn_func_matches_explicit(sq, sk, h, hk, d, causal, window, softcap):
+    torch.manual_seed(sq * 100 + sk * 10 + d)
+    q = rand(2, sq, h, d, requires_grad=True)
+    k = rand(2, sk, hk, d, requires_grad=True)
+    v = rand(2, sk, hk, d, requires_grad=True)
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                      softcap=softcap, return_attn_probs=True)
+    scale = 1 / math.sqrt(d)
+    out_e, lse_e, p_e = explicit_attention(q, k, v, scale, causal, window[0], window[1],
+                                           softcap)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (2, h, sq) and lse.dtype == torch.float32
+    assert probs.shape == (2, h, sq, sk)
+    torch.testing.assert_close(out, out_e, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, lse_e.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, p_e, atol=1e-5, rtol=1e-5)
+    dout = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), dout)
+    ge = torch.autograd.grad(out_e, (q, k, v), dout)
+    for x, y in zip(g, ge):
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+def test_default_softmax_scale_uses_original_headdim():
+    torch.manual_seed(11)
+    d = 12  # padded to 16 internally; the scale must stay 1/sqrt(12)
+    q, k, v = rand(1, 4, 2, d), rand(1, 5, 2, d), rand(1, 5, 2, d)
+    out = flash_attn_func(q, k, v)
+    out2 = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(d))
+    torch.testing.assert_close(out, out2, atol=0, rtol=0)
+    out3 = flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(16))
+    assert not torch.allclose(out, out3)
+    out4 = flash_attn_func(q, k, v, softmax_scale=0.3)
+    torch.testing.assert_close(out4, explicit_attention(q, k, v, 0.3)[0])
+
+
+def test_return_attn_probs():
+    torch.manual_seed(12)
+    q, k, v = rand(2, 5, 4, 8), rand(2, 7, 2, 8), rand(2, 7, 2, 8)
+    res = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(res, tuple) and len(res) == 3
+    out, lse, probs = res
+    assert all(r is not None for r in res)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 5, dtype=probs.dtype))
+    # causal with shift 2: row 0 sees keys 0..2 only
+    assert torch.all(probs[:, :, 0, 3:] == 0)
+    vv = v.repeat_interleave(2, dim=2)
+    torch.testing.assert_close(torch.einsum("bhij,bjhd->bihd", probs, vv), out,
+                               atol=1e-6, rtol=1e-6)
+    assert isinstance(flash_attn_func(q, k, v), torch.Tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_dtypes(dtype):
+    torch.manual_seed(13)
+    q, k, v = (rand(2, 6, 4, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.dtype == dtype
+    out.sum().backward()
+    assert q.grad.dtype == dtype and torch.isfinite(q.grad.float()).all()
+    out_e = explicit_attention(q, k, v, 1 / 4, causal=True)[0]
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), out_e, atol=tol, rtol=tol)
+
+
+def test_qkvpacked_equals_unpacked_and_grads_reach_packed():
+    torch.manual_seed(14)
+    qkv = rand(2, 6, 3, 4, 8, requires_grad=True)
+    out = flash_attn_qkvpacked_func(qkv, causal=True, window_size=(2, -1), softcap=1.0)
+    q, k, v = (qkv[:, :, i].detach().clone().requires_grad_() for i in range(3))
+    ref = flash_attn_func(q, k, v, causal=True, window_size=(2, -1), softcap=1.0)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout)
+    assert qkv.grad is not None and qkv.grad.shape == qkv.shape
+    torch.testing.assert_close(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+
+
+def test_kvpacked_equals_unpacked_and_grads_reach_packed():
+    torch.manual_seed(15)
+    q = rand(2, 4, 6, 8, requires_grad=True)
+    kv = rand(2, 7, 2, 3, 8, requires_grad=True)
+    out = flash_attn_kvpacked_func(q, kv, causal=True)
+    q2 = q.detach().clone().requires_grad_()
+    k, v = (kv[:, :, i].detach().clone().requires_grad_() for i in range(2))
+    ref = flash_attn_func(q2, k, v, causal=True)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout)
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(kv.grad, torch.stack([k.grad, v.grad], dim=2))
+
+
+def test_packed_variants_pass_views_without_copy(monkeypatch):
+    from flash_attn import ops
+
+    seen = {}
+    real = ops.flash_attn_fwd
+
+    def spy(q, k, v, *args):
+        seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        return real(q, k, v, *args)
+
+    monkeypatch.setattr(ops, "flash_attn_fwd", spy)
+    qkv = rand(1, 4, 3, 2, 8)
+    flash_attn_qkvpacked_func(qkv)
+    base, step = qkv.data_ptr(), qkv.stride(2) * qkv.element_size()
+    assert seen["ptrs"] == (base, base + step, base + 2 * step)
+    kv = rand(5, 2, 2, 8)
+    q = rand(4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    cuk = torch.tensor([0, 5], dtype=torch.int32)
+    flash_attn_varlen_kvpacked_func(q, kv, cu, cuk, 4, 5)
+    step = kv.stride(1) * kv.element_size()
+    assert seen["ptrs"][1:] == (kv.data_ptr(), kv.data_ptr() + step)
+
+
+def test_non_contiguous_last_dim_is_copied():
+    torch.manual_seed(16)
+    q = rand(1, 4, 2, 8).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert q.stride(-1) != 1
+    k, v = rand(1, 5, 2, 8), rand(1, 5, 2, 8)
+    torch.testing.assert_close(flash_attn_func(q, k, v), flash_attn_func(q.contiguous(), k, v))
+
+
+def test_empty_sequences_batched():
+    torch.manual_seed(17)
+    q, k, v = rand(2, 0, 2, 8), rand(2, 3, 2, 8), rand(2, 3, 2, 8)
+    assert flash_attn_func(q, k, v).shape == (2, 0, 2, 8)
+    q = rand(2, 3, 2, 8, requires_grad=True)
+    k, v = rand(2, 0, 2, 8), rand(2, 0, 2, 8)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    out.sum().backward()
+    assert torch.all(q.grad == 0)
+
+
+def _varlen_inputs(lens_q, lens_k, h, hk, d, requires_grad=True):
+    q = rand(sum(lens_q), h, d, requires_grad=requires_grad)
+    k = rand(sum(lens_k), hk, d, requires_grad=requires_grad)
+    v = rand(sum(lens_k), hk, d, requires_grad=requires_grad)
+    return q, k, v, cu_from_lens(lens_q), cu_from_lens(lens_k)
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (False, (1, 2), 0.5)])
+def test_varlen_equals_per_sequence_batched(causal, window, softcap):
+    torch.manual_seed(18)
+    lens_q, lens_k = [3, 0, 5, 2], [4, 3, 2, 0]
+    q, k, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, 12)
+    out, lse, probs = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window_size=window,
+        softcap=softcap, return_attn_probs=True,
+    )
+    assert lse.shape == (4, q.shape[0]) and probs.shape == (4, 4, 5, 4)
+    dout = torch.randn_like(out)
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(lens_q)):
+        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        qb, kb, vb = (t.detach()[a:z][None].requires_grad_() for t, a, z in
+                      ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        ob, lb, pb = flash_attn_func(qb, kb, vb, causal=causal, window_size=window,
+                                     softcap=softcap, return_attn_probs=True)
+        torch.testing.assert_close(out[q0:q1], ob[0])
+        torch.testing.assert_close(lse[:, q0:q1], lb[0])
+        torch.testing.assert_close(probs[b, :, : q1 - q0, : k1 - k0], pb[0])
+        if q1 > q0:
+            g = torch.autograd.grad(ob, (qb, kb, vb), dout[q0:q1][None])
+            torch.testing.assert_close(gq[q0:q1], g[0][0])
+            torch.testing.assert_close(gk[k0:k1], g[1][0])
+            torch.testing.assert_close(gv[k0:k1], g[2][0])
+        else:
+            assert torch.all(gk[k0:k1] == 0) and torch.all(gv[k0:k1] == 0)
+
+
+def test_varlen_packed_variants_equal_unpacked():
+    torch.manual_seed(19)
+    lens = [3, 5, 1]
+    cu = cu_from_lens(lens)
+    qkv = rand(sum(lens), 3, 2, 8, requires_grad=True)
+    out = flash_attn_varlen_qkvpacked_func(qkv, cu, 5, causal=True)
+    q, k, v = (qkv[:, i].detach().clone().requires_grad_() for i in range(3))
+    ref = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout)
+    torch.testing.assert_close(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=1))
+
+    lens_k = [2, 6, 4]
+    cu_k = cu_from_lens(lens_k)
+    q = rand(sum(lens), 4, 8, requires_grad=True)
+    kv = rand(sum(lens_k), 2, 2, 8, requires_grad=True)
+    out = flash_attn_varlen_kvpacked_func(q, kv, cu, cu_k, 5, 6, window_size=(1, 1))
+    q2 = q.detach().clone().requires_grad_()
+    k, v = (kv[:, i].detach().clone().requires_grad_() for i in range(2))
+    ref = flash_attn_varlen_func(q2, k, v, cu, cu_k, 5, 6, window_size=(1, 1))
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    out.backward(dout.new_ones(out.shape))
+    ref.backward(dout.new_ones(out.shape))
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(kv.grad, torch.stack([k.grad, v.grad], dim=1))
+
+
+def test_deterministic_flag_accepted_on_cpu():
+    torch.manual_seed(20)
+    q, k, v = (rand(1, 4, 2, 8, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, deterministic=True)
+    out.sum().backward()
+    g1 = q.grad.clone()
+    q.grad = None
+    flash_attn_func(q, k, v, deterministic=True).sum().backward()
+    assert torch.equal(g1, q.grad)
+
+
+def test_lse_is_not_differentiable_but_usable():
+    torch.manual_seed(21)
+    q, k, v = (rand(1, 3, 2, 8, requires_grad=True) for _ in range(3))
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert not lse.requires_grad
+    (out.sum() + lse.sum()).backward()  # lse contributes no gradient
+    ref = explicit_attention(q, k, v, 1 / math.sqrt(8))[0]
+    g = torch.autograd.grad(ref.sum(), q)[0]
+    torch.testing.assert_close(q.grad, g)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck through the public API (float64, tiny sizes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gradcheck(fn, inputs, fast_mode=True):
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=fast_mode, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sq,sk,h,hk,d,causal,window,softcap",
+    [
+        (3, 4, 2, 1, 4, True, (-1, -1), 0.0),
+        (4, 2, 2, 2, 8, True, (-1, -1), 0.0),   # fully masked rows
+        (3, 3, 2, 1, 6, False, (1, 0), 1.3),
+    ],
+)
+def test_gradcheck_flash_attn_func(sq, sk, h, hk, d, causal, window, softcap):
+    torch.manual_seed(22)
+    q = rand(1, sq, h, d, requires_grad=True)
+    k = rand(1, sk, hk, d, requires_grad=True)
+    v = rand(1, sk, hk, d, requires_grad=True)
+    # full Jacobian here (tiny sizes); fast mode for the other variants below
+    _gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                               softcap=softcap), (q, k, v), fast_mode=False)
+
+
+def test_gradcheck_packed():
+    torch.manual_seed(23)
+    qkv = rand(1, 3, 3, 2, 4, requires_grad=True)
+    _gradcheck(lambda x: flash_attn_qkvpacked_func(x, causal=True), (qkv,))
+    q = rand(1, 2, 2, 4, requires_grad=True)
+    kv = rand(1, 3, 2, 1, 4, requires_grad=True)
+    _gradcheck(lambda q, kv: flash_attn_kvpacked_func(q, kv, softcap=0.8), (q, kv))
+
+
+def test_gradcheck_varlen():
+    torch.manual_seed(24)
+    q, k, v, cu_q, cu_k = _varlen_inputs([2, 0, 3], [3, 1, 2], 2, 1, 4)
+    _gradcheck(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True),
+               (q, k, v))
+    cu = cu_from_lens([2, 3])
+    qkv = rand(5, 3, 2, 4, requires_grad=True)
+    _gradcheck(lambda x: flash_attn_varlen_qkvpacked_func(x, cu, 3, window_size=(1, 0)),
+               (qkv,))
+    q = rand(5, 2, 4, requires_grad=True)
+    kv = rand(4, 2, 2, 4, requires_grad=True)
+    cu_k = cu_from_lens([1, 3])
+    _gradcheck(lambda q, kv: flash_attn_varlen_kvpacked_func(q, kv, cu, cu_k, 3, 3),
+               (q, kv))
+
+
+def test_reference_is_what_cpu_runs():
+    torch.manual_seed(25)
+    q, k, v = rand(2, 4, 2, 8), rand(2, 6, 2, 8), rand(2, 6, 2, 8)
+    out = flash_attn_func(q, k, v, causal=True, window_size=(3, 5), softcap=2.0)
+    ref, _ = attention_forward_ref(q, k, v, causal=True, window_left=3, window_right=0,
+                                   softcap=2.0)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_python_m_flash_attn_runs():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "flash_attn"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "flash_attn 0.1.0" in proc.stdout and "torch" in proc.stdout
+
+
+def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
+    """The CUDA kernels of the custom ops call _C.fwd / _C.bwd with the argument order of
+    docs/INTERNALS.md (checked with a stand-in extension running the reference on CPU)."""
+    from flash_attn import ops, reference
+
+    calls = {}
+
+    class FakeExt:
+        @staticmethod
+        def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+            calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                causal=causal, window=(window_left, window_right))
+            return list(reference.attention_forward_ref(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap))
+
+        @staticmethod
+        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                softcap, deterministic):
+            calls["bwd"] = dict(dq=dq, deterministic=deterministic)
+            return list(reference.attention_backward_ref(
+                dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap))
+
+    monkeypatch.setattr(ops, "_EXT", FakeExt)
+    torch.manual_seed(26)
+    q, k, v, cu_q, cu_k = _varlen_inputs([3, 2], [4, 5], 4, 2, 8, requires_grad=False)
+    args = (q, k, v, cu_q, cu_k, None, 3, 5, 0.4, True, 2, 0, 1.5)
+    out, lse = ops._fwd_cuda(*args)
+    ref_out, ref_lse = reference.attention_forward_ref(*args)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+    assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
+                                window=(2, 0))
+    dout = torch.randn_like(out)
+    g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
+    ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
+                                             True, 2, 0, 1.5)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert calls["bwd"] == dict(dq=None, deterministic=False)
+    # empty inputs never reach the extension
+    calls.clear()
+    e_out, e_lse = ops._fwd_cuda(q[:0], k, v, cu_q, cu_k, None, 0, 9, 0.4, False, -1, -1, 0.0)
+    assert e_out.shape == (0, 4, 8) and e_lse.shape == (4, 0) and not calls

@@ -1,0 +1,285 @@
+"""GPU tests: bad inputs raise named Python errors (never a device-side error), and CUDA stays
+usable after each one.
+
+Error contract (flash_attn/_validation.py): ``TypeError`` for a wrong type or dtype, ``ValueError``
+for a bad value or shape, ``NotImplementedError`` for a valid request this package does not
+implement; the message names the argument. After every bad call a good ``flash_attn_func`` call
+runs and ``torch.cuda.synchronize()`` succeeds.
+
+Values inside ``cu_seqlens`` are only checked with ``FLASH_ATTN_CHECK_INPUTS=1`` (checking them
+costs a device sync). Without it, wrong values must still not crash CUDA; those cases run in a
+subprocess so that a crash shows up as one failed test instead of taking the rest of the suite
+down with a poisoned CUDA context.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_ref import (  # noqa: E402
+    REF_DTYPE,
+    arg_re,
+    assert_accuracy,
+    attention_ref,
+    check_fwd_bwd,
+    rand,
+)
+from attn_ref import kernel_path, poisoned_allocator  # noqa: E402,F401  (autouse fixtures)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from flash_attn import (
+        flash_attn_func,
+        flash_attn_kvpacked_func,
+        flash_attn_qkvpacked_func,
+        flash_attn_varlen_func,
+    )
+
+BF16 = torch.bfloat16
+
+
+def assert_cuda_usable():
+    """A real call on good inputs works and the device syncs (no sticky CUDA error)."""
+    torch.cuda.synchronize()
+    q, k, v = (torch.randn(2, 65, 4, 64, dtype=BF16, device="cuda") for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    out_ref, _ = attention_ref(q, k, v, causal=True, compute_dtype=REF_DTYPE)
+    out_pt, _ = attention_ref(q, k, v, causal=True, compute_dtype=BF16)
+    assert_accuracy("out (good call after a bad one)", out, out_ref, out_pt, 2)
+
+
+def qkv(b=2, s=64, h=4, hk=None, d=64, sk=None, dtype=BF16, device="cuda", grad=False):
+    hk = hk or h
+    sk = sk or s
+    return (rand(b, s, h, d, dtype=dtype, device=device, requires_grad=grad),
+            rand(b, sk, hk, d, dtype=dtype, device=device, requires_grad=grad),
+            rand(b, sk, hk, d, dtype=dtype, device=device, requires_grad=grad))
+
+
+def varlen_args(lens_q=(3, 0, 40), lens_k=(5, 7, 33), h=4, hk=4, d=64, dtype=BF16):
+    def cu(lens):
+        c = [0]
+        for n in lens:
+            c.append(c[-1] + n)
+        return torch.tensor(c, dtype=torch.int32, device="cuda")
+
+    q = torch.randn(sum(lens_q), h, d, dtype=dtype, device="cuda")
+    k = torch.randn(sum(lens_k), hk, d, dtype=dtype, device="cuda")
+    v = torch.randn(sum(lens_k), hk, d, dtype=dtype, device="cuda")
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k),
+                max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+
+def _call(**over):
+    q, k, v = qkv()
+    args = dict(q=q, k=k, v=v)
+    args.update(over)
+    return flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def _vcall(**over):
+    args = varlen_args()
+    args.update(over)
+    return flash_attn_varlen_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def _swap(i, fn):
+    """flash_attn_func with q/k/v number i replaced by fn(that tensor)."""
+    t = list(qkv())
+    t[i] = fn(t[i])
+    return flash_attn_func(*t)
+
+
+# (id, thunk, exception, regex the message must contain)
+ERROR_CASES = [
+    # dtype / device / rank / shapes
+    ("fp32_on_cuda", lambda: flash_attn_func(*qkv(dtype=torch.float32)), TypeError, arg_re("q")),
+    ("k_fp16_q_bf16", lambda: _swap(1, lambda t: t.half()), TypeError, arg_re("k")),
+    ("v_on_cpu", lambda: _swap(2, lambda t: t.cpu()), ValueError, arg_re("v")),
+    ("k_on_cpu", lambda: _swap(1, lambda t: t.cpu()), ValueError, arg_re("k")),
+    ("q_rank3", lambda: _swap(0, lambda t: t[0]), ValueError, arg_re("q")),
+    ("k_rank5", lambda: _swap(1, lambda t: t.unsqueeze(0)), ValueError, arg_re("k")),
+    ("q_int_tensor", lambda: _swap(0, lambda t: t.to(torch.int32)), TypeError, arg_re("q")),
+    ("q_not_tensor", lambda: _swap(0, lambda t: t.tolist()), TypeError, arg_re("q")),
+    ("nheads_not_divisible", lambda: flash_attn_func(*qkv(h=6, hk=4)), ValueError, r"heads"),
+    ("k_v_shapes_differ", lambda: _swap(2, lambda t: t[:, :-1]), ValueError, arg_re("v")),
+    ("batch_differs", lambda: _swap(0, lambda t: t[:1]), ValueError, r"batch"),
+    ("headdim_264", lambda: flash_attn_func(*qkv(d=264)), ValueError, r"headdim"),
+    ("headdim_0", lambda: flash_attn_func(*qkv(d=0)), ValueError, r"headdim"),
+    ("headdim_q_k_differ", lambda: _swap(0, lambda t: t[..., :32]), ValueError, r"headdim"),
+    # options
+    ("window_size_-2", lambda: _call(window_size=(-2, 0)), ValueError, arg_re("window_size")),
+    ("window_size_3_items", lambda: _call(window_size=(1, 2, 3)), TypeError, arg_re("window_size")),
+    ("softcap_-1", lambda: _call(softcap=-1.0), ValueError, arg_re("softcap")),
+    ("softcap_nan", lambda: _call(softcap=float("nan")), ValueError, arg_re("softcap")),
+    ("softmax_scale_nan", lambda: _call(softmax_scale=float("nan")), ValueError,
+     arg_re("softmax_scale")),
+    ("dropout_p_1.5", lambda: _call(dropout_p=1.5), ValueError, arg_re("dropout_p")),
+    ("dropout_p_-0.1", lambda: _call(dropout_p=-0.1), ValueError, arg_re("dropout_p")),
+    # dropout is not implemented: it must not be silently ignored
+    ("dropout_p_0.1", lambda: _call(dropout_p=0.1), NotImplementedError, r"dropout"),
+    ("alibi_slopes", lambda: _call(alibi_slopes=torch.ones(4, device="cuda")), NotImplementedError,
+     arg_re("alibi_slopes")),
+    # packed layouts
+    ("qkvpacked_pack_dim_2", lambda: flash_attn_qkvpacked_func(
+        torch.randn(2, 64, 2, 4, 64, dtype=BF16, device="cuda")), ValueError, arg_re("qkv")),
+    ("kvpacked_pack_dim_3", lambda: flash_attn_kvpacked_func(
+        qkv()[0], torch.randn(2, 64, 3, 4, 64, dtype=BF16, device="cuda")), ValueError,
+     arg_re("kv")),
+    # varlen
+    ("cu_seqlens_q_int64", lambda: _vcall(cu_seqlens_q=varlen_args()["cu_seqlens_q"].long()),
+     TypeError, arg_re("cu_seqlens_q")),
+    ("cu_seqlens_k_int64", lambda: _vcall(cu_seqlens_k=varlen_args()["cu_seqlens_k"].long()),
+     TypeError, arg_re("cu_seqlens_k")),
+    ("cu_seqlens_q_on_cpu", lambda: _vcall(cu_seqlens_q=varlen_args()["cu_seqlens_q"].cpu()),
+     ValueError, arg_re("cu_seqlens_q")),
+    ("cu_seqlens_q_2d", lambda: _vcall(cu_seqlens_q=varlen_args()["cu_seqlens_q"][None]),
+     ValueError, arg_re("cu_seqlens_q")),
+    ("cu_seqlens_wrong_length", lambda: _vcall(cu_seqlens_k=torch.tensor(
+        [0, 5, 12, 45, 45], dtype=torch.int32, device="cuda")), ValueError, r"cu_seqlens"),
+    ("varlen_q_rank4", lambda: _vcall(q=varlen_args()["q"][None]), ValueError, arg_re("q")),
+    ("max_seqlen_q_tensor", lambda: _vcall(max_seqlen_q=torch.tensor(40)), TypeError,
+     arg_re("max_seqlen_q")),
+    ("max_seqlen_k_negative", lambda: _vcall(max_seqlen_k=-1), ValueError, arg_re("max_seqlen_k")),
+    ("varlen_nheads_not_divisible", lambda: _vcall(**varlen_args(h=5, hk=2)), ValueError,
+     r"heads"),
+]
+
+
+@pytest.mark.parametrize("thunk,exc,match", [pytest.param(t, e, m, id=i) for i, t, e, m in
+                                             ERROR_CASES])
+def test_bad_input_raises_named_error(thunk, exc, match):
+    torch.manual_seed(30)
+    with pytest.raises(exc, match=match):
+        thunk()
+    assert_cuda_usable()
+
+
+def test_deterministic_backward_not_implemented():
+    torch.manual_seed(31)
+    q, k, v = qkv(grad=True)
+    with pytest.raises(NotImplementedError, match=arg_re("deterministic")):
+        out = flash_attn_func(q, k, v, deterministic=True)
+        out.backward(torch.randn_like(out))
+    assert_cuda_usable()
+
+
+def test_deterministic_forward_only_is_fine():
+    """deterministic only concerns the backward: a forward without gradients runs."""
+    torch.manual_seed(32)
+    q, k, v = qkv()
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, deterministic=True)
+    out_ref, _ = attention_ref(q, k, v, compute_dtype=REF_DTYPE)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=BF16)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_cuda_usable()
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_noncontiguous_last_dim_works_or_raises(which):
+    """A last dim with stride != 1 either works (the layer copies) or raises a named error."""
+    torch.manual_seed(33)
+    b, s, h, d = 2, 97, 4, 64
+    leaves = [rand(b, s, h, 2 * d, dtype=BF16) for _ in range(3)]
+    i = "qkv".index(which)
+
+    def to_qkv(*t):
+        return tuple(x[..., ::2] if j == i else x[..., :d] for j, x in enumerate(t))
+
+    assert to_qkv(*leaves)[i].stride(-1) == 2
+    try:
+        check_fwd_bwd(lambda *t: flash_attn_func(*to_qkv(*t), causal=True), leaves, to_qkv,
+                      dict(causal=True))
+    except (ValueError, TypeError) as e:
+        assert "contiguous" in str(e) or "stride" in str(e), str(e)
+        assert re.search(arg_re(which), str(e)), str(e)
+    assert_cuda_usable()
+
+
+# ---------------------------------------------------------------------------------------------
+# cu_seqlens values: checked with FLASH_ATTN_CHECK_INPUTS=1, harmless without it
+# ---------------------------------------------------------------------------------------------
+
+# name -> (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q (100, h, d), k/v (120, hk, d)
+BAD_CU_SEQLENS = {
+    "q_last_too_large": ([0, 30, 60, 600], [0, 40, 80, 120], 540, 40),
+    "k_last_too_large": ([0, 30, 60, 100], [0, 40, 80, 4000], 40, 3920),
+    "q_non_monotonic": ([0, 70, 30, 100], [0, 40, 80, 120], 70, 40),
+    "max_seqlen_q_too_small": ([0, 30, 60, 100], [0, 40, 80, 120], 10, 40),
+}
+
+_SUBPROCESS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    cases = json.loads(sys.argv[1])
+    torch.manual_seed(0)
+    for name, (cq, ck, mq, mk) in cases.items():
+        q = torch.randn(100, 4, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        k = torch.randn(120, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        v = torch.randn(120, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        cu_q = torch.tensor(cq, dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor(ck, dtype=torch.int32, device="cuda")
+        try:
+            out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                         max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
+            torch.cuda.synchronize()
+            out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
+            result = "returned"
+        except ValueError as e:
+            result = "ValueError: " + str(e)
+        torch.cuda.synchronize()
+        a, b, c = (torch.randn(2, 65, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        good = flash_attn_func(a, b, c, causal=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(good).all()
+        print("CASE", name, "|", result.replace("\\n", " "), flush=True)
+    print("ALL_DONE", flush=True)
+    """
+)
+
+
+def _run_cases(check_inputs: bool):
+    env = dict(os.environ)
+    env["FLASH_ATTN_CHECK_INPUTS"] = "1" if check_inputs else "0"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, json.dumps(BAD_CU_SEQLENS)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    log = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            name, _, result = line[5:].partition(" | ")
+            results[name] = result
+    return proc, results, log
+
+
+def test_check_inputs_env_rejects_bad_cu_seqlens():
+    """FLASH_ATTN_CHECK_INPUTS=1: every bad cu_seqlens / max_seqlen raises a ValueError naming it."""
+    proc, results, log = _run_cases(check_inputs=True)
+    assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, log
+    for name in BAD_CU_SEQLENS:
+        assert results.get(name, "").startswith("ValueError"), f"{name}: {results.get(name)}\n{log}"
+        assert ("cu_seqlens" in results[name]) or ("max_seqlen" in results[name]), results[name]
+    assert_cuda_usable()
+
+
+def test_bad_cu_seqlens_without_checks_do_not_crash_cuda():
+    """Without the checks, wrong cu_seqlens values give garbage (or a ValueError), never a CUDA
+    error: the call returns, the device syncs, and a good call works afterwards."""
+    proc, results, log = _run_cases(check_inputs=False)
+    assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
+        f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
+    assert set(results) == set(BAD_CU_SEQLENS), log
+    assert_cuda_usable()
