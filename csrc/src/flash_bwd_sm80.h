@@ -26,8 +26,14 @@ struct Sm80Bwd {
     static constexpr int kWarps = kTile.warps;
     static constexpr int kThreads = kWarps * 32;
 
-    // 4 x 2 warps; one MMA layout serves the five GEMMs (S, dP: M x N; dK, dV: N x D; dQ: M x D).
-    using TiledMma = TiledMMA<Sm80MmaAtom<T>, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+    // One warp layout per GEMM shape (see tile_config.h); N of each MMA tile is 16 per warp so
+    // one ldmatrix.x4 feeds two 16x8 MMAs.
+    template <int kWarpsM>
+    using Mma = TiledMMA<Sm80MmaAtom<T>, Layout<Shape<Int<kWarpsM>, Int<kWarps / kWarpsM>, _1>>,
+                         Tile<Int<16 * kWarpsM>, Int<16 * (kWarps / kWarpsM)>, _16>>;
+    using MmaSdP = Mma<kTile.sdp_warps_m>;  // S = Q K^T, dP = dO V^T    (block_m x block_n)
+    using MmaKV = Mma<kTile.dkv_warps_n>;   // dV += P^T dO, dK += dS^T Q (block_n x d)
+    using MmaQ = Mma<kTile.dq_warps_m>;     // dQ = dS K                  (block_m x d)
     using Copies = Sm80Copies<T, kHeadDim, kThreads>;
     using SmemQ = SmemTile<kBlockM, kHeadDim>;      // also dO
     using SmemKV = SmemTile<kBlockN, kHeadDim>;
@@ -175,36 +181,42 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     Tensor tVsV = gthr.partition_D(sV);
     Tensor tKc = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
 
-    typename K::TiledMma mma;
-    auto thr_mma = mma.get_thread_slice(tid);
-    auto ldsm_a = make_tiled_copy_A(typename K::Copies::LdsmN{}, mma);
-    auto ldsm_b = make_tiled_copy_B(typename K::Copies::LdsmN{}, mma);
-    auto ldsm_at = make_tiled_copy_A(typename K::Copies::LdsmT{}, mma);
-    auto ldsm_bt = make_tiled_copy_B(typename K::Copies::LdsmT{}, mma);
-    Tensor sQ_a = ldsm_a.get_thread_slice(tid).partition_S(sQ);
-    Tensor sdO_a = ldsm_a.get_thread_slice(tid).partition_S(sdO);
-    Tensor sdS_a = ldsm_a.get_thread_slice(tid).partition_S(sdS);
-    Tensor sK_b = ldsm_b.get_thread_slice(tid).partition_S(sK);
-    Tensor sV_b = ldsm_b.get_thread_slice(tid).partition_S(sV);
-    Tensor sPt_a = ldsm_at.get_thread_slice(tid).partition_S(sPt);
-    Tensor sdSt_a = ldsm_at.get_thread_slice(tid).partition_S(sdSt);
-    Tensor sdOt_b = ldsm_bt.get_thread_slice(tid).partition_S(sdOt);
-    Tensor sQt_b = ldsm_bt.get_thread_slice(tid).partition_S(sQt);
-    Tensor sKt_b = ldsm_bt.get_thread_slice(tid).partition_S(sKt);
+    typename K::MmaSdP mma_sdp;
+    typename K::MmaKV mma_kv;
+    typename K::MmaQ mma_q;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_kv = mma_kv.get_thread_slice(tid);
+    auto thr_q = mma_q.get_thread_slice(tid);
+    auto ldsm_sdp_a = make_tiled_copy_A(typename K::Copies::LdsmN{}, mma_sdp);
+    auto ldsm_sdp_b = make_tiled_copy_B(typename K::Copies::LdsmN{}, mma_sdp);
+    auto ldsm_kv_a = make_tiled_copy_A(typename K::Copies::LdsmT{}, mma_kv);
+    auto ldsm_kv_b = make_tiled_copy_B(typename K::Copies::LdsmT{}, mma_kv);
+    auto ldsm_q_a = make_tiled_copy_A(typename K::Copies::LdsmN{}, mma_q);
+    auto ldsm_q_b = make_tiled_copy_B(typename K::Copies::LdsmT{}, mma_q);
+    Tensor sQ_a = ldsm_sdp_a.get_thread_slice(tid).partition_S(sQ);
+    Tensor sdO_a = ldsm_sdp_a.get_thread_slice(tid).partition_S(sdO);
+    Tensor sK_b = ldsm_sdp_b.get_thread_slice(tid).partition_S(sK);
+    Tensor sV_b = ldsm_sdp_b.get_thread_slice(tid).partition_S(sV);
+    Tensor sPt_a = ldsm_kv_a.get_thread_slice(tid).partition_S(sPt);
+    Tensor sdSt_a = ldsm_kv_a.get_thread_slice(tid).partition_S(sdSt);
+    Tensor sdOt_b = ldsm_kv_b.get_thread_slice(tid).partition_S(sdOt);
+    Tensor sQt_b = ldsm_kv_b.get_thread_slice(tid).partition_S(sQt);
+    Tensor sdS_a = ldsm_q_a.get_thread_slice(tid).partition_S(sdS);
+    Tensor sKt_b = ldsm_q_b.get_thread_slice(tid).partition_S(sKt);
 
-    auto store_c = make_tiled_copy_C(typename K::Copies::StoreC{}, mma);
-    auto cthr = store_c.get_thread_slice(tid);
-    Tensor tPsP = cthr.partition_D(sP);
-    Tensor tdSsdS = cthr.partition_D(sdS);
+    auto store_sdp = make_tiled_copy_C(typename K::Copies::StoreC{}, mma_sdp);
+    auto sdp_thr = store_sdp.get_thread_slice(tid);
+    Tensor tPsP = sdp_thr.partition_D(sP);
+    Tensor tdSsdS = sdp_thr.partition_D(sdS);
 
-    Tensor acc_dk = partition_fragment_C(mma, Shape<BN, D>{});
-    Tensor acc_dv = partition_fragment_C(mma, Shape<BN, D>{});
+    Tensor acc_dk = partition_fragment_C(mma_kv, Shape<BN, D>{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, Shape<BN, D>{});
     clear(acc_dk);
     clear(acc_dv);
 
-    Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{}));
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BM, BN>{}));
     Tensor cS_rc = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
-    Tensor cdQ = thr_mma.partition_C(make_identity_tensor(Shape<BM, D>{}));
+    Tensor cdQ = thr_q.partition_C(make_identity_tensor(Shape<BM, D>{}));
 
     load_tile(gload, tKgK, tKsK, tKc, cols_left, p.headdim);
     load_tile(gload, tVgV, tVsV, tKc, cols_left, p.headdim);
@@ -221,8 +233,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         const int row0 = m * kBlockM;
         const int rows_left = seq.seqlen_q - row0;
 
-        Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
-        Tensor acc_dp = partition_fragment_C(mma, Shape<BM, BN>{});
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
         Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
         Tensor dp_rc = make_tensor(acc_dp.data(), acc_as_rows_cols(acc_dp.layout()));
         constexpr int kRows = decltype(size<0>(s_rc))::value;
@@ -240,14 +252,14 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         clear(acc_s);
         clear(acc_dp);
         {
-            Tensor rA = thr_mma.partition_fragment_A(sQ);
-            Tensor rB = thr_mma.partition_fragment_B(sK);
-            gemm_smem(mma, acc_s, rA, rB, sQ_a, sK_b, ldsm_a, ldsm_b);
+            Tensor rA = thr_sdp.partition_fragment_A(sQ);
+            Tensor rB = thr_sdp.partition_fragment_B(sK);
+            gemm_smem(mma_sdp, acc_s, rA, rB, sQ_a, sK_b, ldsm_sdp_a, ldsm_sdp_b);
         }
         {
-            Tensor rA = thr_mma.partition_fragment_A(sdO);
-            Tensor rB = thr_mma.partition_fragment_B(sV);
-            gemm_smem(mma, acc_dp, rA, rB, sdO_a, sV_b, ldsm_a, ldsm_b);
+            Tensor rA = thr_sdp.partition_fragment_A(sdO);
+            Tensor rB = thr_sdp.partition_fragment_B(sV);
+            gemm_smem(mma_sdp, acc_dp, rA, rB, sdO_a, sV_b, ldsm_sdp_a, ldsm_sdp_b);
         }
         if (softcap) apply_softcap(acc_s, p.softcap_prescale);
         if (mask.tile_needs_mask(row0, kBlockM, col0, kBlockN)) {
@@ -265,19 +277,19 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
                 dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]) * dtanh;
             }
         }
-        copy(store_c, cthr.retile_S(convert_fragment<T>(acc_s)), tPsP);
-        copy(store_c, cthr.retile_S(convert_fragment<T>(acc_dp)), tdSsdS);
+        copy(store_sdp, sdp_thr.retile_S(convert_fragment<T>(acc_s)), tPsP);
+        copy(store_sdp, sdp_thr.retile_S(convert_fragment<T>(acc_dp)), tdSsdS);
         __syncthreads();  // P and dS are in shared memory
 
         {
-            Tensor rA = thr_mma.partition_fragment_A(sPt);
-            Tensor rB = thr_mma.partition_fragment_B(sdOt);
-            gemm_smem(mma, acc_dv, rA, rB, sPt_a, sdOt_b, ldsm_at, ldsm_bt);
+            Tensor rA = thr_kv.partition_fragment_A(sPt);
+            Tensor rB = thr_kv.partition_fragment_B(sdOt);
+            gemm_smem(mma_kv, acc_dv, rA, rB, sPt_a, sdOt_b, ldsm_kv_a, ldsm_kv_b);
         }
         {
-            Tensor rA = thr_mma.partition_fragment_A(sdSt);
-            Tensor rB = thr_mma.partition_fragment_B(sQt);
-            gemm_smem(mma, acc_dk, rA, rB, sdSt_a, sQt_b, ldsm_at, ldsm_bt);
+            Tensor rA = thr_kv.partition_fragment_A(sdSt);
+            Tensor rB = thr_kv.partition_fragment_B(sQt);
+            gemm_smem(mma_kv, acc_dk, rA, rB, sdSt_a, sQt_b, ldsm_kv_a, ldsm_kv_b);
         }
         __syncthreads();  // nobody reads Q(m) or dO(m) any more: prefetch the next tile
         if (m + 1 < m_last) {
@@ -287,12 +299,12 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         }
         cp_async_fence();
 
-        Tensor acc_dq = partition_fragment_C(mma, Shape<BM, D>{});
+        Tensor acc_dq = partition_fragment_C(mma_q, Shape<BM, D>{});
         clear(acc_dq);
         {
-            Tensor rA = thr_mma.partition_fragment_A(sdS);
-            Tensor rB = thr_mma.partition_fragment_B(sKt);
-            gemm_smem(mma, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_a, ldsm_bt);
+            Tensor rA = thr_q.partition_fragment_A(sdS);
+            Tensor rB = thr_q.partition_fragment_B(sKt);
+            gemm_smem(mma_q, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_q_a, ldsm_q_b);
         }
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); ++i) {
@@ -312,8 +324,10 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     Tensor rdV = convert_fragment<T>(acc_dv);
     cp_async_wait<0>();
     __syncthreads();  // last dQ GEMM is done reading K
-    copy(store_c, cthr.retile_S(rdK), cthr.partition_D(sK));
-    copy(store_c, cthr.retile_S(rdV), cthr.partition_D(sV));
+    auto store_kv = make_tiled_copy_C(typename K::Copies::StoreC{}, mma_kv);
+    auto kv_thr = store_kv.get_thread_slice(tid);
+    copy(store_kv, kv_thr.retile_S(rdK), kv_thr.partition_D(sK));
+    copy(store_kv, kv_thr.retile_S(rdV), kv_thr.partition_D(sV));
     __syncthreads();
     typename K::Copies::GmemStore gstore;
     auto sthr = gstore.get_thread_slice(tid);

@@ -63,32 +63,38 @@ struct OnlineSoftmax {
     }
 
     // Turns scores `s` into unnormalised probabilities and rescales the running output `o`
-    // (both (rows, cols) views) when a row's max moved.
+    // (both (rows, cols) views). Branch-free: every row's max is reduced before any exp, so the
+    // quad shuffles of all rows overlap instead of serialising behind per-row branches.
     template <class S, class O>
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
+        float m_new[kRows];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-            float m = row_max[r];
+            m_new[r] = row_max[r];
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-            m = quad_max(m);
-            float prev = row_max[r];
-            row_max[r] = m;
-            float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-            if (prev != m) {
-                // prev == -inf means nothing was accumulated yet: scale by 0, not by exp2(+big).
-                float corr = prev == -INFINITY ? 0.f : exp2f(prev * scale_log2 - m_scaled);
-                row_sum[r] *= corr;
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(o); ++c) o(r, c) *= corr;
-            }
-            float sum = 0.f;
+            for (int c = 0; c < size<1>(s); ++c) m_new[r] = fmaxf(m_new[r], s(r, c));
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) m_new[r] = quad_max(m_new[r]);
+        float m_scaled[kRows];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            m_scaled[r] = m_new[r] == -INFINITY ? 0.f : m_new[r] * scale_log2;
+            // prev == -inf means nothing was accumulated yet: scale by 0, not by exp2(+big).
+            const float corr =
+                row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
+            row_max[r] = m_new[r];
+            row_sum[r] *= corr;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o); ++c) o(r, c) *= corr;
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(s); ++c) {
-                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
-                sum += s(r, c);
+                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
+                row_sum[r] += s(r, c);
             }
-            row_sum[r] += sum;
         }
     }
 

@@ -12,21 +12,26 @@ struct Sm80FwdTile {
 // through shared memory, until the O accumulator (block_m x d / threads floats) crowds the
 // register file; past d=128 8 warps keep it at <= 128 floats per thread.
 constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    return d <= 64    ? Sm80FwdTile{128, 128, 4}   // small d: wide N tile amortises the softmax
-           : d <= 128 ? Sm80FwdTile{128, 64, 4}    // S (64 floats) + O (<=128 floats) per thread
-                      : Sm80FwdTile{128, 64, 8};   // O stays at <= 128 floats per thread
+    // block_n = 64 at every d: at 128 the S tile (128 floats per thread) spills at d=64.
+    return d <= 128 ? Sm80FwdTile{128, 64, 4}    // S (64 floats) + O (<=128 floats) per thread
+                    : Sm80FwdTile{128, 64, 8};   // O stays at <= 128 floats per thread
 }
 
 struct Sm80BwdTile {
     int block_m, block_n, warps;
+    // Warps along the first GEMM dimension for S/dP (block_m x block_n), dK/dV (block_n x d) and
+    // dQ (block_m x d); the rest of the 8 warps split the second dimension. Squarer warp tiles
+    // need fewer ldmatrix bytes per MMA, and shared-memory bandwidth bounds these GEMMs.
+    int sdp_warps_m, dkv_warps_n, dq_warps_m;
 };
 
 // Backward: one CTA owns a K/V block and keeps dK, dV accumulators; 8 warps split them.
 // block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
 // shared memory at block_n = 128, so it drops to 64.
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    return d <= 128 ? Sm80BwdTile{64, 128, 8}   // smem: 128 KiB at d=128
-                    : Sm80BwdTile{64, 64, 8};   // smem: 144 KiB at d=256
+    return d <= 64    ? Sm80BwdTile{128, 128, 8, 4, 4, 4}  // smem: 128 KiB at d=64
+           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB at d=128
+                      : Sm80BwdTile{64, 64, 8, 4, 4, 4};   // 144 KiB at d=256
 }
 
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
