@@ -218,12 +218,12 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     Tensor cS_rc = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
     Tensor cdQ = thr_q.partition_C(make_identity_tensor(Shape<BM, D>{}));
 
-    load_tile(gload, tKgK, tKsK, tKc, cols_left, p.headdim);
-    load_tile(gload, tVgV, tVsV, tKc, cols_left, p.headdim);
+    load_tile<kBlockN, kHeadDim>(gload, tKgK, tKsK, tKc, cols_left, p.headdim);
+    load_tile<kBlockN, kHeadDim>(gload, tVgV, tVsV, tKc, cols_left, p.headdim);
     if (m_first < m_last) {
         const int rows = seq.seqlen_q - m_first * kBlockM;
-        load_tile(gload, tQgQ(_, _, _, m_first), tQsQ, tQc, rows, p.headdim);
-        load_tile(gload, tdOgdO(_, _, _, m_first), tdOsdO, tQc, rows, p.headdim);
+        load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m_first), tQsQ, tQc, rows, p.headdim);
+        load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m_first), tdOsdO, tQc, rows, p.headdim);
     }
     cp_async_fence();
 
@@ -294,8 +294,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         __syncthreads();  // nobody reads Q(m) or dO(m) any more: prefetch the next tile
         if (m + 1 < m_last) {
             const int rows = seq.seqlen_q - (m + 1) * kBlockM;
-            load_tile(gload, tQgQ(_, _, _, m + 1), tQsQ, tQc, rows, p.headdim);
-            load_tile(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows, p.headdim);
+            load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m + 1), tQsQ, tQc, rows, p.headdim);
+            load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows, p.headdim);
         }
         cp_async_fence();
 

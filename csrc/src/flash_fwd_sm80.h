@@ -114,10 +114,10 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     Tensor cS_rc = make_tensor(cS.data(), acc_as_rows_cols(cS.layout()));
 
     const int rows_left = seq.seqlen_q - row0;
-    load_tile(gload, tQgQ, tQsQ, tQcQ, rows_left, p.headdim);
+    load_tile<kBlockM, kHeadDim>(gload, tQgQ, tQsQ, tQcQ, rows_left, p.headdim);
     if (n_last > n_first) {
         const int n = n_last - 1;
-        load_tile(gload, tKgK(_, _, _, n), tKsK, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+        load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n), tKsK, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
     }
     cp_async_fence();
 
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         clear(acc_s);
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed and every warp is done reading V(n + 1)
-        load_tile(gload, tVgV(_, _, _, n), tVsV, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+        load_tile<kBlockN, kHeadDim>(gload, tVgV(_, _, _, n), tVsV, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
         cp_async_fence();
 
         gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
         if (n > n_first) {
-            load_tile(gload, tKgK(_, _, _, n - 1), tKsK, tKVc, seq.seqlen_k - (n - 1) * kBlockN,
+            load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n - 1), tKsK, tKVc, seq.seqlen_k - (n - 1) * kBlockN,
                       p.headdim);
             cp_async_fence();
         }

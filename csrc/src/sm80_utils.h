@@ -70,11 +70,16 @@ __forceinline__ __device__ void gemm_reg_smem(TiledMma& mma, Acc& acc, RA const&
     }
 }
 
-// Global -> shared tile copy: rows >= max_row and columns >= max_col are zero-filled, so padding
-// rows and head-dim padding contribute exact zeros to every GEMM.
-template <class TiledCopy, class Src, class Dst, class Coord>
+// Global -> shared copy of a kTileRows x kTileCols tile: rows >= max_row and columns >= max_col
+// are zero-filled, so padding rows and head-dim padding contribute exact zeros to every GEMM.
+// Interior tiles (the common case) take an unpredicated path.
+template <int kTileRows, int kTileCols, class TiledCopy, class Src, class Dst, class Coord>
 __forceinline__ __device__ void load_tile(TiledCopy const& tcopy, Src const& src, Dst& dst,
                                           Coord const& coord, int max_row, int max_col) {
+    if (max_row >= kTileRows && max_col >= kTileCols) {
+        copy(tcopy, src, dst);
+        return;
+    }
     CUTE_UNROLL
     for (int m = 0; m < size<1>(dst); ++m) {
         bool row_ok = get<0>(coord(0, m, 0)) < max_row;

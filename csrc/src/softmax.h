@@ -48,6 +48,25 @@ __forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMa
     }
 }
 
+struct MaxOp {
+    static constexpr float kIdentity = -INFINITY;
+    __forceinline__ __device__ static float apply(float a, float b) { return fmaxf(a, b); }
+};
+struct SumOp {
+    static constexpr float kIdentity = 0.f;
+    __forceinline__ __device__ static float apply(float a, float b) { return a + b; }
+};
+
+// Reduces row r of a (rows, cols) view over this thread's columns with 4 independent partials:
+// a single running value would be a dependency chain as long as the row.
+template <class Op, class S>
+__forceinline__ __device__ float row_reduce(S const& s, int r) {
+    float part[4] = {Op::kIdentity, Op::kIdentity, Op::kIdentity, Op::kIdentity};
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) part[c % 4] = Op::apply(part[c % 4], s(r, c));
+    return Op::apply(Op::apply(part[0], part[1]), Op::apply(part[2], part[3]));
+}
+
 // Online softmax over key tiles for the rows this thread holds.
 template <int kRows>
 struct OnlineSoftmax {
@@ -69,11 +88,7 @@ struct OnlineSoftmax {
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
         float m_new[kRows];
         CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            m_new[r] = row_max[r];
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c) m_new[r] = fmaxf(m_new[r], s(r, c));
-        }
+        for (int r = 0; r < kRows; ++r) m_new[r] = fmaxf(row_max[r], row_reduce<MaxOp>(s, r));
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) m_new[r] = quad_max(m_new[r]);
         float m_scaled[kRows];
@@ -91,10 +106,8 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c) {
-                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
-                row_sum[r] += s(r, c);
-            }
+            for (int c = 0; c < size<1>(s); ++c) s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
+            row_sum[r] += row_reduce<SumOp>(s, r);
         }
     }
 
