@@ -306,14 +306,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_q.partition_fragment_B(sKt);
             gemm_smem(mma_q, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_q_a, ldsm_q_b);
         }
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); ++i) {
-            const int row = get<0>(cdQ(i));
-            const int col = get<1>(cdQ(i));
-            if (row < rows_left && col < p.headdim) {
-                atomicAdd(dq_acc_ptr + (row0 + row) * dq_row_stride + col, acc_dq(i));
-            }
-        }
+        Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + row0 * dq_row_stride), Shape<BM, D>{},
+                                    make_stride(dq_row_stride, _1{}));
+        Tensor tdQg = thr_q.partition_C(gdQacc);
+        atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
+                            rows_left >= kBlockM && p.headdim == kHeadDim);
     }
 
     // Epilogue: dK (times the softmax scale, the d score / d x factor) and dV through shared
