@@ -12,9 +12,12 @@ struct Sm80FwdTile {
 // through shared memory, until the O accumulator (block_m x d / threads floats) crowds the
 // register file; past d=128 8 warps keep it at <= 128 floats per thread.
 constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    // block_n = 64 at every d: at 128 the S tile (128 floats per thread) spills at d=64.
-    return d <= 128 ? Sm80FwdTile{128, 64, 4}    // S (64 floats) + O (<=128 floats) per thread
-                    : Sm80FwdTile{128, 64, 8};   // O stays at <= 128 floats per thread
+    // Measured on the device (benchmarks/NOTES.md): block_n = 128 at d=64 spills the S tile
+    // (128 floats per thread); at d=128 a 64-row tile ties 128 rows without masks and wins
+    // causal (finer bottom-first scheduling); 8 warps on a 128-row tile lose at d <= 128.
+    return d <= 64    ? Sm80FwdTile{128, 64, 4}   // S 64 + O 64 floats per thread
+           : d <= 128 ? Sm80FwdTile{64, 128, 4}   // S 64 + O <= 64 floats per thread
+                      : Sm80FwdTile{128, 64, 8};  // O stays at <= 128 floats per thread
 }
 
 struct Sm80BwdTile {
@@ -27,11 +30,11 @@ struct Sm80BwdTile {
 
 // Backward: one CTA owns a K/V block and keeps dK, dV accumulators; 8 warps split them.
 // block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
-// shared memory at block_n = 128, so it drops to 64.
+// shared memory at block_n = 128, so it drops to 64. Measured (benchmarks/NOTES.md): at d=64 a
+// 64-row Q tile beats 128 rows by 15% and block_n = 64 loses 20%.
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    return d <= 64    ? Sm80BwdTile{128, 128, 8, 4, 4, 4}  // smem: 128 KiB at d=64
-           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB at d=128
-                      : Sm80BwdTile{64, 64, 8, 4, 4, 4};   // 144 KiB at d=256
+    return d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB at d=128
+                    : Sm80BwdTile{64, 64, 8, 4, 4, 4};                     // 144 KiB at d=256
 }
 
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
