@@ -3,14 +3,13 @@
 // messages) by flash_attn/_validation.py first; these checks keep direct callers safe.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cutlass/version.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
-
-#include <cutlass/version.h>
 
 #include "params.h"
 #include "registry.h"
@@ -53,10 +52,10 @@ const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
         if (e.kind == kind && e.arch == arch && e.dtype == dtype && e.headdim == tier) return e;
     }
     TORCH_CHECK_NOT_IMPLEMENTED(
-        false, "flash_attn: no ", kind == Kind::kFwd ? "forward" : "backward", " kernel was built for ",
-        dtype_name(dtype), " head dim ", headdim, " (tier ", tier, ", sm", arch,
-        " path). Rebuild with FLASH_ATTN_HEADDIMS including ", tier, ", FLASH_ATTN_DTYPES including ",
-        dtype_name(dtype),
+        false, "flash_attn: no ", kind == Kind::kFwd ? "forward" : "backward",
+        " kernel was built for ", dtype_name(dtype), " head dim ", headdim, " (tier ", tier, ", sm",
+        arch, " path). Rebuild with FLASH_ATTN_HEADDIMS including ", tier,
+        ", FLASH_ATTN_DTYPES including ", dtype_name(dtype),
         kind == Kind::kBwd ? " and FLASH_ATTN_DISABLE_BACKWARD unset" : "",
         "; `python -m flash_attn` lists what was built.");
 }
@@ -109,8 +108,8 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     Problem pb{};
     pb.varlen = cu_seqlens_q.has_value();
     const int64_t rank = pb.varlen ? 3 : 4;
-    TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "flash_attn: q, k, v must be ",
-                rank, "-D", pb.varlen ? " (varlen)" : "");
+    TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank,
+                "flash_attn: q, k, v must be ", rank, "-D", pb.varlen ? " (varlen)" : "");
     TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn: k and v must have the same shape");
     pb.headdim = q.size(-1);
     pb.nheads = q.size(-2);
@@ -118,8 +117,8 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(k.size(-1) == pb.headdim, "flash_attn: q and k head dims differ");
     TORCH_CHECK(pb.headdim % 8 == 0 && pb.headdim > 0 && pb.headdim <= 256,
                 "flash_attn: head dim must be a multiple of 8 in [8, 256], got ", pb.headdim);
-    TORCH_CHECK(pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
-                "flash_attn: nheads (", pb.nheads, ") must be a multiple of nheads_k (", pb.nheads_k, ")");
+    TORCH_CHECK(pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0, "flash_attn: nheads (", pb.nheads,
+                ") must be a multiple of nheads_k (", pb.nheads_k, ")");
     if (pb.varlen) {
         pb.batch = cu_seqlens_q->numel() - 1;
         check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", pb.batch, q);
@@ -130,7 +129,8 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         pb.total_q = q.size(0);
         pb.total_k = k.size(0);
     } else {
-        TORCH_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
+        TORCH_CHECK(!cu_seqlens_k.has_value(),
+                    "flash_attn: cu_seqlens_k given without cu_seqlens_q");
         pb.batch = q.size(0);
         pb.seqlen_q = q.size(1);
         pb.seqlen_k = k.size(1);
@@ -149,7 +149,8 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
                 int64_t window_left, int64_t window_right, double softcap) {
     TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
                 "flash_attn: softmax_scale must be finite and > 0, got ", softmax_scale);
-    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash_attn: softcap must be >= 0, got ", softcap);
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash_attn: softcap must be >= 0, got ",
+                softcap);
     TORCH_CHECK(window_left >= -1 && window_right >= -1,
                 "flash_attn: window_size entries must be >= -1");
     s.batch = pb.batch;
@@ -187,10 +188,12 @@ void check_launch() {
 
 std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                             std::optional<at::Tensor> out_, std::optional<at::Tensor> cu_seqlens_q,
-                            std::optional<at::Tensor> cu_seqlens_k, std::optional<at::Tensor> seqused_k,
-                            int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                            bool causal, int64_t window_left, int64_t window_right, double softcap) {
-    const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+                            std::optional<at::Tensor> cu_seqlens_k,
+                            std::optional<at::Tensor> seqused_k, int64_t max_seqlen_q,
+                            int64_t max_seqlen_k, double softmax_scale, bool causal,
+                            int64_t window_left, int64_t window_right, double softcap) {
+    const Problem pb =
+        describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim);
     at::cuda::CUDAGuard guard(q.device());
@@ -212,12 +215,14 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0) return {out, lse};
 
     flash::FwdParams p;
-    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap);
+    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
+               softcap);
     if (seqused_k.has_value()) {
         TORCH_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
                         seqused_k->is_contiguous() && seqused_k->numel() == pb.batch &&
                         seqused_k->device() == q.device(),
-                    "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on q's device");
+                    "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on "
+                    "q's device");
         p.seqused_k = seqused_k->data_ptr<int>();
     }
     p.q = q.data_ptr();
@@ -229,14 +234,14 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     p.k_stride = strides_of(k, pb.varlen);
     p.v_stride = strides_of(v, pb.varlen);
     p.o_stride = strides_of(out, pb.varlen);
-    p.num_sm = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     entry.fwd(p, at::cuda::getCurrentCUDAStream());
     check_launch();
     return {out, lse};
 }
 
-std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse,
+std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
+                            const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& out_in, const at::Tensor& lse,
                             std::optional<at::Tensor> dq_, std::optional<at::Tensor> dk_,
                             std::optional<at::Tensor> dv_, std::optional<at::Tensor> cu_seqlens_q,
                             std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
@@ -246,15 +251,18 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, c
     TORCH_CHECK_NOT_IMPLEMENTED(!deterministic,
                                 "flash_attn: deterministic=True backward is not implemented (dq is "
                                 "accumulated with atomics); pass deterministic=False");
-    const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    const Problem pb =
+        describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);
     check_cuda_tensor(out_in, "out", q_in);
     TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
                 "flash_attn: dout and out must have q's shape");
-    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.device() == q_in.device(),
-                "flash_attn: softmax_lse must be a contiguous float32 tensor on q's device");
-    const std::vector<int64_t> lse_shape = pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
-                                                     : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
+    TORCH_CHECK(
+        lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.device() == q_in.device(),
+        "flash_attn: softmax_lse must be a contiguous float32 tensor on q's device");
+    const std::vector<int64_t> lse_shape =
+        pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
+                  : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
     TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flash_attn: softmax_lse has shape ",
                 lse.sizes(), ", expected ", at::IntArrayRef(lse_shape));
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
@@ -264,12 +272,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, c
 
     // Rows outside every varlen sequence get no kernel writes: start them at zero.
     auto alloc = [&](const at::Tensor& like) {
-        return pb.varlen ? at::zeros_like(like, like.options().memory_format(at::MemoryFormat::Contiguous))
-                         : at::empty_like(like, like.options().memory_format(at::MemoryFormat::Contiguous));
+        return pb.varlen ? at::zeros_like(
+                               like, like.options().memory_format(at::MemoryFormat::Contiguous))
+                         : at::empty_like(
+                               like, like.options().memory_format(at::MemoryFormat::Contiguous));
     };
     auto given = [&](std::optional<at::Tensor>& t, const at::Tensor& like, const char* name) {
         check_cuda_tensor(*t, name, q);
-        TORCH_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ", like.sizes());
+        TORCH_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ",
+                    like.sizes());
         TORCH_CHECK(kernel_ready(*t).data_ptr() == t->data_ptr(), "flash_attn: ", name,
                     " must be 16-byte aligned with a contiguous last dim");
         return *t;
@@ -288,8 +299,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, c
     const bool grouped = pb.nheads != pb.nheads_k;
     std::vector<int64_t> expanded_shape = k.sizes().vec();
     expanded_shape[expanded_shape.size() - 2] = pb.nheads;
-    at::Tensor dk_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options()) : at::empty(expanded_shape, q.options())) : dk;
-    at::Tensor dv_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options()) : at::empty(expanded_shape, q.options())) : dv;
+    at::Tensor dk_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options())
+                                           : at::empty(expanded_shape, q.options()))
+                              : dk;
+    at::Tensor dv_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options())
+                                           : at::empty(expanded_shape, q.options()))
+                              : dv;
 
     const int tier = flash::headdim_tier(pb.headdim);
     const auto f32 = q.options().dtype(at::kFloat);
@@ -297,7 +312,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, c
     at::Tensor softmax_d = at::empty_like(lse);
 
     flash::BwdParams p;
-    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap);
+    fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
+               softcap);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -317,7 +333,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in, c
     p.dq_stride = strides_of(dq, pb.varlen);
     p.dk_stride = strides_of(dk_x, pb.varlen);
     p.dv_stride = strides_of(dv_x, pb.varlen);
-    p.headdim_tier = tier;
     entry.bwd(p, at::cuda::getCurrentCUDAStream());
     check_launch();
 
@@ -346,7 +361,8 @@ pybind11::dict build_info() {
     std::sort(archs.begin(), archs.end());
     info["archs"] = archs;
     info["kernels"] = kernels;
-    info["cuda"] = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+    info["cuda"] =
+        std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
     info["cutlass"] = std::to_string(CUTLASS_MAJOR) + "." + std::to_string(CUTLASS_MINOR) + "." +
                       std::to_string(CUTLASS_PATCH);
     return info;

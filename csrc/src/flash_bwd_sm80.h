@@ -6,8 +6,9 @@
 //   3. dq_write: dQ = softmax_scale * dq_accum, cast to the input dtype.
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+
+#include <cute/tensor.hpp>
 
 #include "params.h"
 #include "seq_info.h"
@@ -35,9 +36,9 @@ struct Sm80Bwd {
     using MmaKV = Mma<kTile.dkv_warps_n>;   // dV += P^T dO, dK += dS^T Q (block_n x d)
     using MmaQ = Mma<kTile.dq_warps_m>;     // dQ = dS K                  (block_m x d)
     using Copies = Sm80Copies<T, kHeadDim, kThreads>;
-    using SmemQ = SmemTile<kBlockM, kHeadDim>;      // also dO
+    using SmemQ = SmemTile<kBlockM, kHeadDim>;  // also dO
     using SmemKV = SmemTile<kBlockN, kHeadDim>;
-    using SmemP = SmemTile<kBlockM, kBlockN>;       // also dS
+    using SmemP = SmemTile<kBlockM, kBlockN>;  // also dS
     using SmemQt = TransposedTile<SmemQ>;
     using SmemKt = TransposedTile<SmemKV>;
     using SmemPt = TransposedTile<SmemP>;
@@ -61,8 +62,8 @@ __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
     const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
     float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
-    for (int row = row_block * kRowKernelRows + warp; row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
-         row += blockDim.x / 32) {
+    for (int row = row_block * kRowKernelRows + warp;
+         row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows); row += blockDim.x / 32) {
         const T* o = static_cast<const T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row, bidh);
         const T* dO = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, row, bidh);
         float acc = 0.f;
@@ -90,15 +91,16 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
-    for (int row = row_block * kRowKernelRows + warp; row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
-         row += blockDim.x / 32) {
+    for (int row = row_block * kRowKernelRows + warp;
+         row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows); row += blockDim.x / 32) {
         const float* acc = p.dq_accum + ((seq.row_q + row) * p.nheads + bidh) * index_t(kHeadDim);
         T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
         for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
             const float4 a = *reinterpret_cast<const float4*>(acc + c);
             const float4 b = *reinterpret_cast<const float4*>(acc + c + 4);
-            T out[8] = {T(a.x * p.softmax_scale), T(a.y * p.softmax_scale), T(a.z * p.softmax_scale),
-                        T(a.w * p.softmax_scale), T(b.x * p.softmax_scale), T(b.y * p.softmax_scale),
+            T out[8] = {T(a.x * p.softmax_scale), T(a.y * p.softmax_scale),
+                        T(a.z * p.softmax_scale), T(a.w * p.softmax_scale),
+                        T(b.x * p.softmax_scale), T(b.y * p.softmax_scale),
                         T(b.z * p.softmax_scale), T(b.w * p.softmax_scale)};
             *reinterpret_cast<uint4*>(dq + c) = *reinterpret_cast<const uint4*>(out);
         }
@@ -150,10 +152,14 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     Tensor gdO = local_tile(make_tensor(make_gmem_ptr(do_ptr), make_shape(m_last * kBlockM, D{}),
                                         make_stride(p.do_stride.row, _1{})),
                             Shape<BM, D>{}, make_coord(_, 0));
-    Tensor gK = make_tensor(make_gmem_ptr(k_ptr), Shape<BN, D>{}, make_stride(p.k_stride.row, _1{}));
-    Tensor gV = make_tensor(make_gmem_ptr(v_ptr), Shape<BN, D>{}, make_stride(p.v_stride.row, _1{}));
-    Tensor gdK = make_tensor(make_gmem_ptr(dk_ptr), Shape<BN, D>{}, make_stride(p.dk_stride.row, _1{}));
-    Tensor gdV = make_tensor(make_gmem_ptr(dv_ptr), Shape<BN, D>{}, make_stride(p.dv_stride.row, _1{}));
+    Tensor gK =
+        make_tensor(make_gmem_ptr(k_ptr), Shape<BN, D>{}, make_stride(p.k_stride.row, _1{}));
+    Tensor gV =
+        make_tensor(make_gmem_ptr(v_ptr), Shape<BN, D>{}, make_stride(p.v_stride.row, _1{}));
+    Tensor gdK =
+        make_tensor(make_gmem_ptr(dk_ptr), Shape<BN, D>{}, make_stride(p.dk_stride.row, _1{}));
+    Tensor gdV =
+        make_tensor(make_gmem_ptr(dv_ptr), Shape<BN, D>{}, make_stride(p.dv_stride.row, _1{}));
 
     T* smem_t = reinterpret_cast<T*>(smem);
     Tensor sQ = make_tensor(make_smem_ptr(smem_t), typename K::SmemQ{});
@@ -295,7 +301,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         if (m + 1 < m_last) {
             const int rows = seq.seqlen_q - (m + 1) * kBlockM;
             load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m + 1), tQsQ, tQc, rows, p.headdim);
-            load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows, p.headdim);
+            load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows,
+                                         p.headdim);
         }
         cp_async_fence();
 
@@ -306,8 +313,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_q.partition_fragment_B(sKt);
             gemm_smem(mma_q, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_q_a, ldsm_q_b);
         }
-        Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + row0 * dq_row_stride), Shape<BM, D>{},
-                                    make_stride(dq_row_stride, _1{}));
+        Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + row0 * dq_row_stride),
+                                    Shape<BM, D>{}, make_stride(dq_row_stride, _1{}));
         Tensor tdQg = thr_q.partition_C(gdQacc);
         atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
                             rows_left >= kBlockM && p.headdim == kHeadDim);
@@ -340,7 +347,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 template <class T, int kHeadDim>
 void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
     using K = Sm80Bwd<T, kHeadDim>;
-    dim3 row_grid(unsigned((p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads);
+    dim3 row_grid(unsigned((p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch *
+                  p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
     auto kernel = flash_bwd_sm80_kernel<T, kHeadDim>;

@@ -3,8 +3,9 @@
 // registers (mma.sync m16n8k16, fp32 accumulation).
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+
+#include <cute/tensor.hpp>
 
 #include "params.h"
 #include "seq_info.h"
@@ -24,8 +25,8 @@ struct Sm80Fwd {
     static constexpr int kThreads = kWarps * 32;
 
     // Warps split the rows; N of the MMA tile is 16 so one ldmatrix.x4 feeds two 16x8 MMAs.
-    using TiledMma =
-        TiledMMA<Sm80MmaAtom<T>, Layout<Shape<Int<kWarps>, _1, _1>>, Tile<Int<16 * kWarps>, _16, _16>>;
+    using TiledMma = TiledMMA<Sm80MmaAtom<T>, Layout<Shape<Int<kWarps>, _1, _1>>,
+                              Tile<Int<16 * kWarps>, _16, _16>>;
     using Copies = Sm80Copies<T, kHeadDim, kThreads>;
     using SmemQ = SmemTile<kBlockM, kHeadDim>;
     using SmemKV = SmemTile<kBlockN, kHeadDim>;
@@ -67,8 +68,10 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, bidb, 0, bidh_k);
     T* o_ptr = static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row0, bidh);
 
-    Tensor gQ = make_tensor(make_gmem_ptr(q_ptr), Shape<BM, D>{}, make_stride(p.q_stride.row, _1{}));
-    Tensor gO = make_tensor(make_gmem_ptr(o_ptr), Shape<BM, D>{}, make_stride(p.o_stride.row, _1{}));
+    Tensor gQ =
+        make_tensor(make_gmem_ptr(q_ptr), Shape<BM, D>{}, make_stride(p.q_stride.row, _1{}));
+    Tensor gO =
+        make_tensor(make_gmem_ptr(o_ptr), Shape<BM, D>{}, make_stride(p.o_stride.row, _1{}));
     // (BN, D, n_blocks): key tile n at rows [n * BN, (n + 1) * BN).
     Tensor gK = local_tile(make_tensor(make_gmem_ptr(k_ptr), make_shape(n_last * kBlockN, D{}),
                                        make_stride(p.k_stride.row, _1{})),
@@ -117,7 +120,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     load_tile<kBlockM, kHeadDim>(gload, tQgQ, tQsQ, tQcQ, rows_left, p.headdim);
     if (n_last > n_first) {
         const int n = n_last - 1;
-        load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n), tKsK, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+        load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n), tKsK, tKVc,
+                                     seq.seqlen_k - n * kBlockN, p.headdim);
     }
     cp_async_fence();
 
@@ -132,7 +136,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         clear(acc_s);
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed and every warp is done reading V(n + 1)
-        load_tile<kBlockN, kHeadDim>(gload, tVgV(_, _, _, n), tVsV, tKVc, seq.seqlen_k - n * kBlockN, p.headdim);
+        load_tile<kBlockN, kHeadDim>(gload, tVgV(_, _, _, n), tVsV, tKVc,
+                                     seq.seqlen_k - n * kBlockN, p.headdim);
         cp_async_fence();
 
         gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
@@ -143,8 +148,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
         if (n > n_first) {
-            load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n - 1), tKsK, tKVc, seq.seqlen_k - (n - 1) * kBlockN,
-                      p.headdim);
+            load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n - 1), tKsK, tKVc,
+                                         seq.seqlen_k - (n - 1) * kBlockN, p.headdim);
             cp_async_fence();
         }
 

@@ -26,14 +26,14 @@ struct AttnShape {
     int batch = 0;
     int nheads = 0;
     int nheads_k = 0;
-    int headdim = 0;        // actual head dim (multiple of 8); the kernel tier may be larger
-    int seqlen_q = 0;       // batched: the q length; varlen: max_seqlen_q (grid size only)
+    int headdim = 0;   // actual head dim (multiple of 8); the kernel tier may be larger
+    int seqlen_q = 0;  // batched: the q length; varlen: max_seqlen_q (grid size only)
     int seqlen_k = 0;
-    int total_q = 0;        // rows in q's first dim (varlen) or batch * seqlen_q
+    int total_q = 0;  // rows in q's first dim (varlen) or batch * seqlen_q
     int total_k = 0;
     const int* cu_seqlens_q = nullptr;  // varlen when non-null, (batch + 1,)
     const int* cu_seqlens_k = nullptr;
-    const int* seqused_k = nullptr;     // (batch,), optional
+    const int* seqused_k = nullptr;  // (batch,), optional
 
     // Scores: s = q.k * scale; with softcap > 0: s = softcap * tanh(q.k * scale / softcap).
     // The kernels compute exp2(t * scale_log2 - m) with t = q.k (no softcap) or
@@ -57,7 +57,6 @@ struct FwdParams : AttnShape {
     void* o = nullptr;
     float* lse = nullptr;  // batched (b, h, sq); varlen (h, total_q)
     TensorStrides q_stride, k_stride, v_stride, o_stride;
-    int num_sm = 0;
 };
 
 struct BwdParams : AttnShape {
@@ -68,12 +67,12 @@ struct BwdParams : AttnShape {
     const void* dout = nullptr;
     const float* lse = nullptr;
     void* dq = nullptr;
-    void* dk = nullptr;    // (.., nheads, d): one slot per query head; the binding sums GQA groups
+    void* dk = nullptr;  // (.., nheads, d): one slot per query head; the binding sums GQA groups
     void* dv = nullptr;
-    float* dq_accum = nullptr;  // (total_q, nheads, headdim_tier) fp32, zeroed by the binding
-    float* softmax_d = nullptr; // rowsum(dO * O), same layout as lse
-    TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride, dv_stride;
-    int headdim_tier = 0;
+    float* dq_accum = nullptr;   // (total_q, nheads, headdim_tier) fp32, zeroed by the binding
+    float* softmax_d = nullptr;  // rowsum(dO * O), same layout as lse
+    TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride,
+        dv_stride;
 };
 
 }  // namespace flash

@@ -18,7 +18,7 @@ using BwdLauncher = void (*)(BwdParams&, cudaStream_t);
 
 struct KernelEntry {
     Kind kind;
-    int arch;     // 80 or 90: the code path, not the SASS target
+    int arch;  // 80 or 90: the code path, not the SASS target
     Dtype dtype;
     int headdim;  // tier
     FwdLauncher fwd;

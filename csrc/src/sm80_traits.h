@@ -2,10 +2,10 @@
 // layouts and the copy atoms. Tile sizes come from tile_config.h.
 #pragma once
 
-#include <type_traits>
+#include <cutlass/numeric_types.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
+#include <type_traits>
 
 #include "tile_config.h"
 
@@ -14,16 +14,16 @@ namespace flash {
 using namespace cute;
 
 template <class T>
-using Sm80MmaAtom = std::conditional_t<std::is_same_v<T, cutlass::half_t>,
-                                       MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
-                                       MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+using Sm80MmaAtom =
+    std::conditional_t<std::is_same_v<T, cutlass::half_t>, MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                       MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
 
 // Swizzled row-major shared-memory tile. Rows are split into 64-element (32 for odd multiples of
 // 32) swizzle atoms so that an 8-row ldmatrix touches every bank once.
 template <int kCols>
-using SmemAtom = decltype(composition(
-    Swizzle<kCols % 64 == 0 ? 3 : 2, 3, 3>{},
-    Layout<Shape<_8, Int<kCols % 64 == 0 ? 64 : 32>>, Stride<Int<kCols % 64 == 0 ? 64 : 32>, _1>>{}));
+using SmemAtom = decltype(composition(Swizzle<kCols % 64 == 0 ? 3 : 2, 3, 3>{},
+                                      Layout<Shape<_8, Int<kCols % 64 == 0 ? 64 : 32>>,
+                                             Stride<Int<kCols % 64 == 0 ? 64 : 32>, _1>>{}));
 
 template <int kRows, int kCols>
 using SmemTile = decltype(tile_to_shape(SmemAtom<kCols>{}, Shape<Int<kRows>, Int<kCols>>{}));
@@ -43,9 +43,9 @@ struct Sm80Copies {
                                Stride<Int<kThreadsPerRow>, _1>>;
     using GmemLoad = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, T>{},
                                               GmemThreads{}, Layout<Shape<_1, _8>>{}));
-    using GmemStore = decltype(make_tiled_copy(
-        Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, T>{}, GmemThreads{},
-        Layout<Shape<_1, _8>>{}));
+    using GmemStore =
+        decltype(make_tiled_copy(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, T>{},
+                                 GmemThreads{}, Layout<Shape<_1, _8>>{}));
 
     using LdsmN = Copy_Atom<SM75_U32x4_LDSM_N, T>;
     using LdsmT = Copy_Atom<SM75_U16x8_LDSM_T, T>;

@@ -2,9 +2,10 @@
 // with ldmatrix double buffering, and predicated tile copies.
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
+
+#include <cute/tensor.hpp>
 
 namespace flash {
 
@@ -38,7 +39,8 @@ __forceinline__ __device__ auto convert_fragment(Tensor<Engine, Layout> const& s
 }
 
 // acc += A * B with both operands read from shared memory; fragment k+1 is loaded while k runs.
-template <class TiledMma, class Acc, class RA, class RB, class SA, class SB, class CopyA, class CopyB>
+template <class TiledMma, class Acc, class RA, class RB, class SA, class SB, class CopyA,
+          class CopyB>
 __forceinline__ __device__ void gemm_smem(TiledMma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA,
                                           SB const& sB, CopyA const& copy_a, CopyB const& copy_b) {
     auto rA_view = copy_a.get_slice(threadIdx.x).retile_D(rA);

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cmath>
-
 #include <cute/tensor.hpp>
 
 #include "mask.h"
@@ -106,7 +105,8 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c) s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
+            for (int c = 0; c < size<1>(s); ++c)
+                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
             row_sum[r] += row_reduce<SumOp>(s, r);
         }
     }

@@ -34,7 +34,7 @@ struct Sm80BwdTile {
 // 64-row Q tile beats 128 rows by 15% and block_n = 64 loses 20%.
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
     return d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB at d=128
-                    : Sm80BwdTile{64, 64, 8, 4, 4, 4};                     // 144 KiB at d=256
+                    : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
 }
 
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
