@@ -434,10 +434,8 @@ def make_extension(cfg: dict, cutlass: Path):
         log(f"WARNING: {len(cfg['missing_sm90'])} SM90 instantiation files do not exist (e.g. "
             f"{rel(cfg['missing_sm90'][0])}); those SM90 kernels are not built")
 
-    defines = []
-    version = cutlass_version(cutlass)
-    if version:
-        defines.append(f'-DFLASH_ATTN_CUTLASS_VERSION="{version}"')
+    # build_info() reports the SASS targets; only the binding reads it.
+    defines = [f'-DFLASH_ATTN_SASS_ARCHS="{",".join(str(a) for a in cfg["archs"])}"']
 
     sources = cfg["cxx_sources"] + cfg["sm80_sources"] + cfg["sm90_sources"]
     return CUDAExtension(

@@ -363,6 +363,7 @@ pybind11::dict build_info() {
     info["kernels"] = kernels;
     info["cuda"] =
         std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+    info["sass_archs"] = FLASH_ATTN_SASS_ARCHS;  // from setup.py: SASS targets, e.g. "80,90"
     info["cutlass"] = std::to_string(CUTLASS_MAJOR) + "." + std::to_string(CUTLASS_MINOR) + "." +
                       std::to_string(CUTLASS_PATCH);
     return info;

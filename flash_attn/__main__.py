@@ -29,7 +29,10 @@ def format_build_info(info: Dict[str, Any]) -> str:
         f"CUTLASS {info.get('cutlass', '?')}"
     )
     archs = info.get("archs") or []
-    lines.append("archs: " + (", ".join(f"sm_{a}" for a in archs) if archs else "none"))
+    lines.append("kernel code paths: " + (", ".join(f"sm_{a}" for a in archs) if archs else "none"))
+    sass = info.get("sass_archs")
+    if sass:
+        lines.append("SASS targets: " + ", ".join(f"sm_{a}" for a in str(sass).split(",")))
     kernels = info.get("kernels") or []
     if not kernels:
         lines.append("kernels: none registered")
