@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, and
+# varlen with an empty sequence) on the kernels of the current build. Run from the repo root
+# on a GPU machine after building (e.g. `bash scripts/gpu_check.sh build`). Exit status is
+# non-zero if either tool reports an error.
+#   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SANITIZER="${SANITIZER:-compute-sanitizer}"
+command -v "$SANITIZER" >/dev/null || SANITIZER=/usr/local/cuda/bin/compute-sanitizer
+
+CASES=$(cat <<'PY'
+import os, torch
+from flash_attn import flash_attn_func, flash_attn_varlen_func
+d = int(os.environ.get("HEADDIM", "64"))
+dt = torch.bfloat16 if os.environ.get("DTYPE", "bf16") == "bf16" else torch.float16
+torch.manual_seed(0)
+def run(fn, q, k, v, *args, **kw):
+    ins = [t.requires_grad_() for t in (q, k, v)]
+    out = fn(*ins, *args, **kw)
+    torch.autograd.grad(out, ins, torch.randn_like(out))
+b, h, hk = 2, 4, 2
+q = torch.randn(b, 77, h, d, device="cuda", dtype=dt)
+k = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
+v = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
+run(flash_attn_func, q, k, v, causal=True)
+lens_q, lens_k = [5, 0, 70, 1], [9, 3, 64, 0]
+cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dt)
+k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dt)
+v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dt)
+run(flash_attn_varlen_func, q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+torch.cuda.synchronize()
+print("cases done")
+PY
+)
+
+status=0
+for tool in memcheck racecheck; do
+  echo "== compute-sanitizer --tool $tool"
+  log=$(mktemp)
+  "$SANITIZER" --tool "$tool" --kernel-name kns=flash --error-exitcode 3 \
+      python3 -c "$CASES" >"$log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases done|Error|error" "$log" | head -20
+  if [ "$rc" -ne 0 ]; then echo "$tool: FAILED (rc=$rc)"; status=1; else echo "$tool: clean"; fi
+  rm -f "$log"
+done
+exit "$status"
