@@ -51,9 +51,9 @@ struct Sm80Bwd {
 // Rows per CTA of the row_dot and dq_write kernels (a warp per row, 8 warps).
 constexpr int kRowKernelRows = 64;
 
-// softmax_d[row] = sum_c dO[row, c] * O[row, c]; a warp per row, 8 columns per lane.
-template <class T, int kHeadDim>
-__global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
+// Calls fn(seq, bidb, bidh, row, lane) once per query row of this CTA, a warp per row.
+template <class Fn>
+__forceinline__ __device__ void for_each_row(const BwdParams& p, Fn&& fn) {
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
     const int row_blocks = (p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows;
@@ -61,9 +61,16 @@ __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
     const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
-    float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
-    for (int row = row_block * kRowKernelRows + warp;
-         row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows); row += blockDim.x / 32) {
+    const int row_end = min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
+    for (int row = row_block * kRowKernelRows + warp; row < row_end; row += blockDim.x / 32) {
+        fn(seq, bidb, bidh, row, lane);
+    }
+}
+
+// softmax_d[row] = sum_c dO[row, c] * O[row, c]; 8 columns per lane.
+template <class T, int kHeadDim>
+__global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
+    for_each_row(p, [&](const SeqInfo& seq, int bidb, int bidh, int row, int lane) {
         const T* o = static_cast<const T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row, bidh);
         const T* dO = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, row, bidh);
         float acc = 0.f;
@@ -77,22 +84,14 @@ __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
         }
         CUTE_UNROLL
         for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
-        if (lane == 0) d_ptr[row] = acc;
-    }
+        if (lane == 0) p.softmax_d[seq.lse_offset(p, bidb, bidh) + row] = acc;
+    });
 }
 
-// dq[row, c] = softmax_scale * dq_accum[row, c]; a warp per row.
+// dq[row, c] = softmax_scale * dq_accum[row, c]; 8 columns per lane.
 template <class T, int kHeadDim>
 __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    const int row_blocks = (p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows;
-    const int row_block = int(blockIdx.x % row_blocks);
-    const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
-    const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
-    const SeqInfo seq(p, bidb);
-    for (int row = row_block * kRowKernelRows + warp;
-         row < min(seq.seqlen_q, (row_block + 1) * kRowKernelRows); row += blockDim.x / 32) {
+    for_each_row(p, [&](const SeqInfo& seq, int bidb, int bidh, int row, int lane) {
         const float* acc = p.dq_accum + ((seq.row_q + row) * p.nheads + bidh) * index_t(kHeadDim);
         T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
         for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
@@ -104,7 +103,7 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
                         T(b.z * p.softmax_scale), T(b.w * p.softmax_scale)};
             *reinterpret_cast<uint4*>(dq + c) = *reinterpret_cast<const uint4*>(out);
         }
-    }
+    });
 }
 
 template <class T, int kHeadDim>
