@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "params.h"
@@ -61,11 +62,17 @@ const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
 }
 
 // Kernels read rows with 16-byte accesses: the last dim must be contiguous, every other stride a
-// multiple of 8 elements and the base 16-byte aligned. Anything else is copied once here.
-at::Tensor kernel_ready(const at::Tensor& t) {
+// multiple of 8 elements and the base 16-byte aligned.
+bool is_kernel_ready(const at::Tensor& t) {
     bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
     for (int i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.stride(i) % 8 == 0 || t.size(i) == 1);
-    return ok ? t : t.contiguous();
+    return ok;
+}
+
+// Inputs that are not kernel-ready are copied once into fresh (aligned, contiguous) memory;
+// contiguous() would hand back a misaligned contiguous view unchanged.
+at::Tensor kernel_ready(const at::Tensor& t) {
+    return is_kernel_ready(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 flash::TensorStrides strides_of(const at::Tensor& t, bool varlen) {
@@ -124,10 +131,11 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", pb.batch, q);
         check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", pb.batch, q);
         TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_attn: max_seqlen must be >= 0");
-        pb.seqlen_q = max_seqlen_q;
-        pb.seqlen_k = max_seqlen_k;
         pb.total_q = q.size(0);
         pb.total_k = k.size(0);
+        // No sequence is longer than its tensor; the kernels clamp each one to max_seqlen.
+        pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
+        pb.seqlen_k = std::min(max_seqlen_k, pb.total_k);
     } else {
         TORCH_CHECK(!cu_seqlens_k.has_value(),
                     "flash_attn: cu_seqlens_k given without cu_seqlens_q");
@@ -173,10 +181,21 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
         s.softcap_prescale = 0.f;
         s.scale_log2 = float(softmax_scale * kLog2e);
     }
-    // A window side as long as the keys is unbounded; clamp so int arithmetic cannot overflow.
-    const int64_t big = pb.seqlen_k + pb.seqlen_q + 1;
-    s.window_left = window_left < 0 ? -1 : int(std::min(window_left, big));
-    s.window_right = causal ? 0 : (window_right < 0 ? -1 : int(std::min(window_right, big)));
+    // right >= seqlen_q or left >= seqlen_k keeps every key (see BandMask::keep): unbounded,
+    // which also keeps the kernels' int arithmetic small.
+    s.window_left = (window_left < 0 || window_left >= pb.seqlen_k) ? -1 : int(window_left);
+    s.window_right = causal                                              ? 0
+                     : (window_right < 0 || window_right >= pb.seqlen_q) ? -1
+                                                                         : int(window_right);
+}
+
+// Grids are flat and gridDim.x is at most 2^31 - 1. Every tile (and the row kernels' blocks)
+// covers at least 64 rows, so this bound holds for each launch.
+void check_grid(const Problem& pb) {
+    const int64_t blocks = (std::max(pb.seqlen_q, pb.seqlen_k) + 63) / 64 * pb.batch * pb.nheads;
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "flash_attn: ", blocks,
+                " thread blocks (batch x nheads x ceil(max seqlen / 64)) exceed the grid limit "
+                "2^31 - 1; split the batch into several calls");
 }
 
 void check_launch() {
@@ -194,9 +213,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             int64_t window_left, int64_t window_right, double softcap) {
     const Problem pb =
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim);
-    at::cuda::CUDAGuard guard(q.device());
+    check_grid(pb);
 
     at::Tensor out;
     if (out_.has_value()) {
@@ -204,7 +224,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
         check_cuda_tensor(out, "out", q);
         TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape ", q.sizes());
         TORCH_CHECK(out.stride(-1) == 1, "flash_attn: out must have a contiguous last dim");
-        TORCH_CHECK(kernel_ready(out).data_ptr() == out.data_ptr(),
+        TORCH_CHECK(is_kernel_ready(out),
                     "flash_attn: out must be 16-byte aligned with strides that are multiples of 8");
     } else {
         out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -212,6 +232,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor lse = pb.varlen ? at::empty({pb.nheads, pb.total_q}, f32)
                                : at::empty({pb.batch, pb.nheads, pb.seqlen_q}, f32);
+    if (pb.varlen) {
+        // Rows outside every sequence (or past max_seqlen_q) get no kernel writes: they read as
+        // attending to nothing, like the reference.
+        out.zero_();
+        lse.fill_(std::numeric_limits<float>::infinity());
+    }
     if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0) return {out, lse};
 
     flash::FwdParams p;
@@ -265,29 +291,28 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                   : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
     TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flash_attn: softmax_lse has shape ",
                 lse.sizes(), ", expected ", at::IntArrayRef(lse_shape));
+    at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
     const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim);
-    at::cuda::CUDAGuard guard(q.device());
+    check_grid(pb);
 
     // Rows outside every varlen sequence get no kernel writes: start them at zero.
-    auto alloc = [&](const at::Tensor& like) {
-        return pb.varlen ? at::zeros_like(
-                               like, like.options().memory_format(at::MemoryFormat::Contiguous))
-                         : at::empty_like(
-                               like, like.options().memory_format(at::MemoryFormat::Contiguous));
+    auto alloc = [&](at::IntArrayRef shape) {
+        return pb.varlen ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
     };
     auto given = [&](std::optional<at::Tensor>& t, const at::Tensor& like, const char* name) {
         check_cuda_tensor(*t, name, q);
         TORCH_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ",
                     like.sizes());
-        TORCH_CHECK(kernel_ready(*t).data_ptr() == t->data_ptr(), "flash_attn: ", name,
-                    " must be 16-byte aligned with a contiguous last dim");
+        TORCH_CHECK(is_kernel_ready(*t), "flash_attn: ", name,
+                    " must be 16-byte aligned with strides that are multiples of 8");
+        if (pb.varlen) t->zero_();
         return *t;
     };
-    at::Tensor dq = dq_.has_value() ? given(dq_, q, "dq") : alloc(q);
-    at::Tensor dk = dk_.has_value() ? given(dk_, k, "dk") : alloc(k);
-    at::Tensor dv = dv_.has_value() ? given(dv_, v, "dv") : alloc(v);
+    at::Tensor dq = dq_.has_value() ? given(dq_, q, "dq") : alloc(q.sizes());
+    at::Tensor dk = dk_.has_value() ? given(dk_, k, "dk") : alloc(k.sizes());
+    at::Tensor dv = dv_.has_value() ? given(dv_, v, "dv") : alloc(v.sizes());
     if (pb.batch == 0 || pb.total_q == 0 || pb.total_k == 0) {
         dq.zero_();
         dk.zero_();
@@ -299,12 +324,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     const bool grouped = pb.nheads != pb.nheads_k;
     std::vector<int64_t> expanded_shape = k.sizes().vec();
     expanded_shape[expanded_shape.size() - 2] = pb.nheads;
-    at::Tensor dk_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options())
-                                           : at::empty(expanded_shape, q.options()))
-                              : dk;
-    at::Tensor dv_x = grouped ? (pb.varlen ? at::zeros(expanded_shape, q.options())
-                                           : at::empty(expanded_shape, q.options()))
-                              : dv;
+    at::Tensor dk_x = grouped ? alloc(expanded_shape) : dk;
+    at::Tensor dv_x = grouped ? alloc(expanded_shape) : dv;
 
     const int tier = flash::headdim_tier(pb.headdim);
     const auto f32 = q.options().dtype(at::kFloat);

@@ -333,6 +333,11 @@ def _check_cu_seqlens(fn: str, name: str, cu: Tensor, q_name: str, q: Tensor) ->
             f"{fn}: {name} must have batch + 1 >= 1 entries (starting with 0), got shape "
             f"{tuple(cu.shape)}"
         )
+    if not cu.is_contiguous():
+        raise ValueError(
+            f"{fn}: {name} must be contiguous (the kernels index it directly), got strides "
+            f"{cu.stride()}; pass {name}.contiguous()"
+        )
     _check_same_device(fn, q_name, q, name, cu)
 
 

@@ -235,6 +235,9 @@ def test_cu_seqlens_type_and_shape():
         flash_attn_varlen_func(q, k, v, cu_q, cu_k[:2], mq, mk)
     with raises(ValueError, "cu_seqlens_k", "same device"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k.to("meta"), mq, mk)
+    strided = torch.stack([cu_k, cu_k], dim=1)[:, 0]
+    with raises(ValueError, "cu_seqlens_k", "contiguous"):
+        flash_attn_varlen_func(q, k, v, cu_q, strided, mq, mk)
 
 
 def test_cu_seqlens_values():

@@ -30,6 +30,10 @@ struct SeqInfo {
             seqlen_q = p.seqlen_q;
             seqlen_k = p.seqlen_k;
         }
+        // A sequence longer than max_seqlen (a wrong max_seqlen) is cut to it, so every kernel
+        // of forward and backward sees the same rows and the grid covers them.
+        seqlen_q = min(seqlen_q, p.seqlen_q);
+        seqlen_k = min(seqlen_k, p.seqlen_k);
         if (p.seqused_k != nullptr) seqlen_k = min(max(p.seqused_k[bidb], 0), seqlen_k);
     }
 
