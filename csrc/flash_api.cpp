@@ -239,6 +239,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
         lse.fill_(std::numeric_limits<float>::infinity());
     }
     if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0) return {out, lse};
+    if (pb.seqlen_k == 0 || pb.total_k == 0) {
+        // No keys at all: every row attends to nothing (and a TMA view cannot be empty).
+        out.zero_();
+        lse.fill_(std::numeric_limits<float>::infinity());
+        return {out, lse};
+    }
 
     flash::FwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,

@@ -19,6 +19,7 @@ DTYPES = {"fp16": ("cutlass::half_t", "kFp16"), "bf16": ("cutlass::bfloat16_t", 
 FAMILIES = {
     ("fwd", 80): (ROOT / "csrc" / "instantiations", "flash_fwd_sm80.h", "run_fwd_sm80", "RegisterFwd"),
     ("bwd", 80): (ROOT / "csrc" / "instantiations", "flash_bwd_sm80.h", "run_bwd_sm80", "RegisterBwd"),
+    ("fwd", 90): (ROOT / "hopper" / "instantiations", "flash_fwd_sm90.h", "run_fwd_sm90", "RegisterFwd"),
 }
 
 TEMPLATE = """\

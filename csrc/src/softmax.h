@@ -81,10 +81,20 @@ struct OnlineSoftmax {
     }
 
     // Turns scores `s` into unnormalised probabilities and rescales the running output `o`
-    // (both (rows, cols) views). Branch-free: every row's max is reduced before any exp, so the
-    // quad shuffles of all rows overlap instead of serialising behind per-row branches.
+    // (both (rows, cols) views).
     template <class S, class O>
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
+        float corr[kRows];
+        update_scores(s, scale_log2, corr);
+        rescale(o, corr);
+    }
+
+    // The score half of update(): `corr` is the factor the running output must be scaled by.
+    // Split out so that a kernel whose output GEMM is still in flight can defer the rescale.
+    // Branch-free: every row's max is reduced before any exp, so the quad shuffles of all rows
+    // overlap instead of serialising behind per-row branches.
+    template <class S>
+    __forceinline__ __device__ void update_scores(S& s, float scale_log2, float (&corr)[kRows]) {
         float m_new[kRows];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) m_new[r] = fmaxf(row_max[r], row_reduce<MaxOp>(s, r));
@@ -95,12 +105,9 @@ struct OnlineSoftmax {
         for (int r = 0; r < kRows; ++r) {
             m_scaled[r] = m_new[r] == -INFINITY ? 0.f : m_new[r] * scale_log2;
             // prev == -inf means nothing was accumulated yet: scale by 0, not by exp2(+big).
-            const float corr =
-                row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
+            corr[r] = row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
             row_max[r] = m_new[r];
-            row_sum[r] *= corr;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(o); ++c) o(r, c) *= corr;
+            row_sum[r] *= corr[r];
         }
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
@@ -108,6 +115,15 @@ struct OnlineSoftmax {
             for (int c = 0; c < size<1>(s); ++c)
                 s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
             row_sum[r] += row_reduce<SumOp>(s, r);
+        }
+    }
+
+    template <class O>
+    __forceinline__ __device__ static void rescale(O& o, float const (&corr)[kRows]) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o); ++c) o(r, c) *= corr[r];
         }
     }
 

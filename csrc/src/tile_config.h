@@ -37,6 +37,23 @@ constexpr Sm80BwdTile sm80_bwd_tile(int d) {
                     : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
 }
 
+struct Sm90FwdTile {
+    int block_m, block_n, stages;
+    int consumer_warpgroups;  // each owns 64 rows of the block_m-row Q tile
+    bool pingpong;            // consumer warp groups take turns issuing their GEMMs
+};
+
+// SM90 forward: a producer warp group feeds K and V through TMA pipelines; two consumer warp
+// groups of 64 rows each run WGMMA. The per-thread registers (consumers raise theirs to 240) hold
+// S (block_n / 2 floats), P (block_n / 4) and O (d / 2 floats), twice over S/P while the next
+// block's S GEMM overlaps this block's softmax. Shared memory (227 KiB) holds Q and `stages`
+// K and V tiles: block_n shrinks as d grows so that both fit.
+constexpr Sm90FwdTile sm90_fwd_tile(int d) {
+    return d <= 128   ? Sm90FwdTile{128, 128, 2, 2, true}   // 160 KiB at d=128
+           : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true}    // 192 KiB at d=192
+                      : Sm90FwdTile{128, 80, 2, 2, false};  // 224 KiB at d=256; O is 128 floats
+}
+
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
 constexpr int kHeadDimTiers[] = {32, 64, 96, 128, 160, 192, 224, 256};
 

@@ -1,0 +1,109 @@
+// Types of the SM90 forward for one (dtype, head-dim tier): tile sizes (from tile_config.h),
+// WGMMA tiles, swizzled shared-memory layouts, TMA copies, pipelines and the shared storage.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+#include <utility>
+
+#include "params.h"
+#include "pipelines.h"
+#include "sm80_traits.h"
+#include "sm90_utils.h"
+#include "tile_config.h"
+#include "tile_scheduler.h"
+
+namespace flash {
+
+template <class T, int kHeadDim>
+struct Sm90FwdTraits {
+    using Element = T;
+    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim);
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kStages = kTile.stages;
+    static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
+    static constexpr bool kPingPong = kTile.pingpong;
+    static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
+    static constexpr int kThreads = 128 + kConsumerThreads;
+    // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static_assert(kBlockM == 64 * kConsumerWarpGroups);
+    static_assert(kConsumerWarpGroups == 2, "the ping-pong turns assume two consumer groups");
+    static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <= 65536);
+
+    using BM = Int<kBlockM>;
+    using BN = Int<kBlockN>;
+    using D = Int<kHeadDim>;
+    using Stages = Int<kStages>;
+
+    // Each consumer warp group takes 64 rows: S = Q K^T with both operands in shared memory,
+    // O += P V with P from registers and V read MN-major (V's rows are its K dimension).
+    using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, D>>(),
+                                          Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
+    using MmaPV = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>(),
+        Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
+
+    // Rows of d elements, swizzled in 128-byte (64-byte for odd multiples of 32) atoms, the form
+    // both TMA and WGMMA read without bank conflicts.
+    using SmemAtom =
+        decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BM, D>());
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BM, D>{}));
+    using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BN, D, Stages>{}));
+    // V as the PV GEMM's B operand, (d, block_n, stages): the same bytes, transposed view.
+    using SmemLayoutVt = decltype(composition(
+        SmemLayoutKV{}, make_ordered_layout(Shape<D, BN, Stages>{}, Step<_2, _1, _3>{})));
+    // O is staged in Q's buffer for 16-byte global stores.
+    using SmemLayoutO = SmemTile<kBlockM, kHeadDim>;
+    static_assert(cosize_v<SmemLayoutO> == cosize_v<SmemLayoutQ>);
+
+    // Global tensors as TMA sees them: (rows, d, heads, batch). Batched: rows = seqlen and the
+    // batch is a mode; varlen: rows = all packed rows and one batch, sequences found by offset.
+    using GmemShape = Shape<int, int, int, int>;
+    using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+    using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<T const*>(nullptr)),
+                                            std::declval<GmemShape>(), std::declval<GmemStride>()));
+    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                        SmemLayoutQ{}, Shape<BM, D>{}, _1{}));
+    using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                         take<0, 2>(SmemLayoutKV{}), Shape<BN, D>{}, _1{}));
+
+    using KPipe = KPipeline<kStages>;
+    using VPipe = VPipeline<kStages>;
+    using PipeState = cutlass::PipelineState<kStages>;
+
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
+    static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> k;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> v;
+        typename KPipe::SharedStorage k_pipe;
+        typename VPipe::SharedStorage v_pipe;
+        cutlass::arch::ClusterTransactionBarrier q_full;
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");
+};
+
+// Everything the kernel reads, passed by value as a __grid_constant__ (TMA descriptors must live
+// in parameter or constant memory).
+template <class Traits>
+struct Sm90FwdArgs {
+    FwdParams p;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaKV tma_k;
+    typename Traits::TmaKV tma_v;
+    // Extents of the TMA views (see GmemShape): varlen has rows = total and batch = 1.
+    int rows_q, rows_k, batch_q, batch_k;
+    StaticTileScheduler::Params sched;
+};
+
+}  // namespace flash

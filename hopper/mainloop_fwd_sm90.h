@@ -1,0 +1,246 @@
+// Mainloop of the SM90 forward for one tile of block_m query rows.
+//   Producer (one warp): TMA loads of Q once per tile and of K and V per key block, each into
+//   its own pipeline of shared-memory stages.
+//   Consumers (one warp group per 64 rows): S = Q K^T, score policy (softcap, mask), online
+//   softmax, O += P V. The S GEMM of block n+1 is in flight while the softmax of block n runs,
+//   and with `kPingPong` the two warp groups take turns issuing, so one group's softmax also
+//   overlaps the other's GEMMs.
+// Key blocks run from the last to the first so the masked diagonal blocks come first.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cute/tensor.hpp>
+
+#include "fwd_traits_sm90.h"
+#include "seq_info.h"
+#include "softmax.h"
+#include "sm90_utils.h"
+
+namespace flash {
+
+// Where one tile's rows and keys live, as seen by both roles.
+struct Sm90TileGeometry {
+    int row0;  // first query row of the tile in its sequence
+    int rows;  // query rows of the tile inside the sequence
+    int n_first, n_last;  // key blocks [n_first, n_last) the tile's rows can see
+
+    __device__ bool has_rows() const { return rows > 0; }
+    __device__ bool has_keys() const { return n_last > n_first; }
+};
+
+template <class Traits>
+struct Sm90FwdMainloop {
+    using T = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    using BM = typename Traits::BM;
+    using BN = typename Traits::BN;
+    using D = typename Traits::D;
+    using Args = Sm90FwdArgs<Traits>;
+    using SharedStorage = typename Traits::SharedStorage;
+    using PipeState = typename Traits::PipeState;
+
+    static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
+                                                int m_block) {
+        Sm90TileGeometry g;
+        g.row0 = m_block * kBlockM;
+        g.rows = min(kBlockM, seq.seqlen_q - g.row0);
+        seq.mask(p).key_block_range(g.row0, kBlockM, kBlockN, g.n_first, g.n_last);
+        return g;
+    }
+
+    // The tile's view of a TMA tensor: (rows, d) of this head and sequence.
+    template <class Tma>
+    static __device__ auto head_view(Tma const& tma, int rows, int headdim, int heads, int batch,
+                                     int head, int bidb, index_t row_offset) {
+        Tensor m = tma.get_tma_tensor(make_shape(rows, headdim, heads, batch));
+        return domain_offset(make_coord(int(row_offset), _0{}), m(_, _, head, batch == 1 ? 0 : bidb));
+    }
+
+    // ---------------------------------------------------------------- producer ----
+
+    // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies.
+    // `wait_query_empty` is called once, before Q is written, so the previous tile's consumers
+    // are done with the Q/O buffer; K's first block is issued before that wait.
+    template <class WaitQueryEmpty>
+    static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::KPipe& k_pipe,
+                                typename Traits::VPipe& v_pipe, PipeState& k_state,
+                                PipeState& v_state, SeqInfo const& seq, int bidb, int bidh,
+                                int m_block, Sm90TileGeometry const& g,
+                                WaitQueryEmpty&& wait_query_empty) {
+        FwdParams const& p = a.p;
+        const bool issuer = threadIdx.x % 32 == 0;
+        const int bidh_k = bidh / (p.nheads / p.nheads_k);
+        const bool varlen = p.is_varlen();
+
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+
+        Tensor gQ = local_tile(
+            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb, varlen ? seq.row_q : 0),
+            Shape<BM, D>{}, make_coord(m_block, _0{}));
+        Tensor gK = local_tile(
+            head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
+            Shape<BN, D>{}, make_coord(_, _0{}));
+        Tensor gV = local_tile(
+            head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
+            Shape<BN, D>{}, make_coord(_, _0{}));
+
+        auto tq = tma_partition(a.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                group_modes<0, 2>(gQ));
+        auto tk = tma_partition(a.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                group_modes<0, 2>(gK));
+        auto tv = tma_partition(a.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                group_modes<0, 2>(gV));
+        Tensor tQg = get<0>(tq);  // (TMA)
+        Tensor tQs = get<1>(tq);
+        Tensor tKg = get<0>(tk);  // (TMA, key blocks)
+        Tensor tKs = get<1>(tk);  // (TMA, stages)
+        Tensor tVg = get<0>(tv);
+        Tensor tVs = get<1>(tv);
+
+        auto load_k = [&](int n) {
+            k_pipe.producer_acquire(k_state);
+            if (issuer) {
+                copy(a.tma_k.with(*k_pipe.producer_get_barrier(k_state)), tKg(_, n),
+                     tKs(_, k_state.index()));
+            }
+            ++k_state;
+        };
+        auto load_v = [&](int n) {
+            v_pipe.producer_acquire(v_state);
+            if (issuer) {
+                copy(a.tma_v.with(*v_pipe.producer_get_barrier(v_state)), tVg(_, n),
+                     tVs(_, v_state.index()));
+            }
+            ++v_state;
+        };
+
+        load_k(g.n_last - 1);
+        wait_query_empty();
+        if (issuer) {
+            ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
+            copy(a.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQg, tQs);
+        }
+        load_v(g.n_last - 1);
+        for (int n = g.n_last - 2; n >= g.n_first; --n) {
+            load_k(n);
+            load_v(n);
+        }
+    }
+
+    // ---------------------------------------------------------------- consumer ----
+
+    // Runs one tile for this consumer warp group: acc_o gets the normalised output, lse the
+    // natural-log LSE of this thread's rows.
+    template <class AccO, int kRows>
+    static __device__ void compute(Args const& a, SharedStorage& ss,
+                                   typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
+                                   PipeState& k_state, PipeState& v_state, int& q_phase,
+                                   SeqInfo const& seq, Sm90TileGeometry const& g, AccO& acc_o,
+                                   float (&lse)[kRows]) {
+        FwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - 128;
+        const int group = ctid / 128;
+        const BandMask mask = seq.mask(p);
+
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+        Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+
+        typename Traits::MmaQK mma_qk;
+        typename Traits::MmaPV mma_pv;
+        auto thr_qk = mma_qk.get_thread_slice(ctid);
+        auto thr_pv = mma_pv.get_thread_slice(ctid);
+        Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, 1, d/16)
+        Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, d/16, stages)
+        Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, block_n/16, stages)
+
+        Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<BM, BN>{}));
+        Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
+        Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
+        OnlineSoftmax<kRows> softmax;
+        clear(acc_o);
+
+        // Turns between the two consumer warp groups: wait for ours, pass it on once issued.
+        auto take_turn = [&] {
+            if constexpr (Traits::kPingPong) {
+                barrier_sync(group == 0 ? NamedBarrier::kTurnConsumer0
+                                        : NamedBarrier::kTurnConsumer1,
+                             Traits::kConsumerThreads);
+            }
+        };
+        auto pass_turn = [&] {
+            if constexpr (Traits::kPingPong) {
+                barrier_arrive(group == 0 ? NamedBarrier::kTurnConsumer1
+                                          : NamedBarrier::kTurnConsumer0,
+                               Traits::kConsumerThreads);
+            }
+        };
+
+        // softcap, then the mask where the block needs one, then the online softmax.
+        auto scores = [&](auto& acc_s, int n, float (&corr)[kRows]) {
+            Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
+            if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
+            if (mask.tile_needs_mask(g.row0, kBlockM, n * kBlockN, kBlockN)) {
+                apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN);
+            }
+            softmax.update_scores(s_rc, p.scale_log2, corr);
+        };
+
+        Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
+        ss.q_full.wait(q_phase);
+        q_phase ^= 1;
+
+        // First block: S only.
+        int n = g.n_last - 1;
+        k_pipe.consumer_wait(k_state);
+        take_turn();
+        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+        pass_turn();
+        warpgroup_wait<0>();
+        k_pipe.consumer_release(k_state);
+        ++k_state;
+        float corr[kRows];
+        scores(acc_s, n, corr);
+        Tensor rP = convert_fragment<T>(acc_s);
+
+        // Middle blocks: S of block n and O += P V of block n + 1 in flight together.
+        for (--n; n >= g.n_first; --n) {
+            Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+            k_pipe.consumer_wait(k_state);
+            v_pipe.consumer_wait(v_state);
+            take_turn();
+            wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+            wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+            pass_turn();
+            warpgroup_wait<1>();
+            k_pipe.consumer_release(k_state);
+            ++k_state;
+            scores(acc_s, n, corr);
+            warpgroup_wait<0>();
+            v_pipe.consumer_release(v_state);
+            ++v_state;
+            OnlineSoftmax<kRows>::rescale(o_rc, corr);
+            rP = convert_fragment<T>(acc_s);
+        }
+
+        // Last block: O += P V only.
+        Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+        v_pipe.consumer_wait(v_state);
+        take_turn();
+        wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+        pass_turn();
+        warpgroup_wait<0>();
+        v_pipe.consumer_release(v_state);
+        ++v_state;
+
+        softmax.finalize(o_rc, p.scale_log2, lse);
+    }
+
+};
+
+}  // namespace flash

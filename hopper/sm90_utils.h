@@ -1,0 +1,78 @@
+// SM90 building blocks: warp-group roles, named barriers, WGMMA issue and register views of
+// WGMMA accumulators.
+#pragma once
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+namespace flash {
+
+using namespace cute;
+
+// Warp group 0 loads, the others compute.
+enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
+
+// Hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing else in these kernels
+// uses named barriers, so the ids are ours from 1.
+enum class NamedBarrier : int {
+    kQueryEmpty = 1,   // consumers are done with the Q/O tile: the producer may load the next Q
+    kConsumers = 2,    // all consumer threads (epilogue staging through shared memory)
+    kTurnConsumer0 = 3,  // consumer warp group 0 may issue its GEMMs
+    kTurnConsumer1 = 4,  // consumer warp group 1 may issue its GEMMs
+};
+
+__forceinline__ __device__ void barrier_sync(NamedBarrier id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
+}
+
+__forceinline__ __device__ void barrier_arrive(NamedBarrier id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
+}
+
+// acc (+)= A * B for one warp group, issued asynchronously: the caller waits with
+// warpgroup_wait<N>() before it touches `acc` (or a register A) again.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__forceinline__ __device__ void wgmma_issue(TiledMma& mma, TA const& a, TB const& b, TC& acc) {
+    // A is either shared-memory descriptors (S = Q K^T) or registers (P in O += P V).
+    constexpr bool kRegisterA = !is_same_v<typename TA::value_type, cute::GmmaDescriptor>;
+    if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(a); ++k) {
+        cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+    if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// A WGMMA accumulator is ((2 cols, 2 row halves, N/8 col groups), MMA_M, MMA_N); view it as
+// (rows, cols) for the row-wise softmax and masks. Each row is spread over a quad of lanes, as
+// on SM80, so the quad reductions of softmax.h apply.
+template <class Layout>
+__forceinline__ __device__ auto wgmma_acc_as_rows_cols(Layout l) {
+    static_assert(decltype(rank<0>(l))::value == 3);
+    return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                       make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The registers of an accumulator's two neighbouring 8-column groups are those of one k16 slice
+// of a register A operand, so P feeds the PV GEMM without shuffles:
+// ((2,2,N/8), M, 1) -> ((2,2,2), M, N/16).
+template <class Layout>
+__forceinline__ __device__ auto wgmma_acc_as_a_operand(Layout l) {
+    static_assert(decltype(size<2>(l))::value == 1);
+    constexpr int kGroups = decltype(size<0, 2>(l))::value;
+    static_assert(kGroups % 2 == 0);
+    auto groups = get<0, 2>(l);
+    auto split = make_layout(make_shape(_2{}, Int<kGroups / 2>{}),
+                             make_stride(stride(groups), stride(groups) * _2{}));
+    return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0>(split)), get<1>(l),
+                       get<1>(split));
+}
+
+}  // namespace flash

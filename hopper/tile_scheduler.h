@@ -1,0 +1,41 @@
+// Persistent tile scheduler of the SM90 forward: a grid of at most one CTA per SM walks the
+// (m_block, head, batch) tiles with a static stride. The tiles of one head are adjacent, so the
+// CTAs running at the same time share K and V in L2; within a head the bottom tiles (the most
+// keys under a causal or window mask) come first, so the long tiles start early.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace flash {
+
+struct StaticTileScheduler {
+    struct Params {
+        int num_m_blocks;
+        int nheads;
+        int batch;
+    };
+
+    struct Tile {
+        int m_block;
+        int bidh;
+        int bidb;
+    };
+
+    Params params;
+
+    static int num_tiles(Params const& p) { return p.num_m_blocks * p.nheads * p.batch; }
+
+    __device__ int first() const { return int(blockIdx.x); }
+    __device__ int next(int idx) const { return idx + int(gridDim.x); }
+    __device__ bool valid(int idx) const {
+        return idx < params.num_m_blocks * params.nheads * params.batch;
+    }
+
+    __device__ Tile tile(int idx) const {
+        const int hb = idx / params.num_m_blocks;
+        return {params.num_m_blocks - 1 - idx % params.num_m_blocks, hb % params.nheads,
+                hb / params.nheads};
+    }
+};
+
+}  // namespace flash
