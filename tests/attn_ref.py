@@ -149,10 +149,20 @@ def attention_ref(
 REF_DTYPE = torch.float64  # the "exact" reference: cheap on an H100 at these sizes, no TF32 risk
 
 
-def kernel_path_label() -> str:
-    """Label for test ids: which kernel path the environment asks for (nothing else reads it)."""
-    forced = os.environ.get("FLASH_ATTN_FORCE_SM80", "").strip().lower()
-    return "sm80forced" if forced not in ("", "0", "false", "no") else "defaultpath"
+def kernel_paths() -> list:
+    """Kernel paths the GPU tests run on. On compute capability 9.0 both: "sm90" (the default
+    dispatch) and "sm80" (FLASH_ATTN_FORCE_SM80=1); elsewhere "sm80". FLASH_ATTN_TEST_PATHS
+    (e.g. "sm90") narrows the list."""
+    paths = ["sm80"]
+    try:
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+            paths = ["sm90", "sm80"]
+    except Exception:
+        pass
+    wanted = os.environ.get("FLASH_ATTN_TEST_PATHS")
+    if wanted:
+        paths = [p for p in paths if p in {w.strip() for w in wanted.split(",")}]
+    return paths
 
 
 def arg_re(name: str) -> str:
@@ -275,9 +285,14 @@ def check_fwd_bwd(ours_fn, leaves, to_qkv, ref_kwargs):
 #     from attn_ref import kernel_path, poisoned_allocator  # noqa: F401
 
 
-@pytest.fixture(autouse=True, params=[kernel_path_label()])
-def kernel_path(request):
-    """Labels every test id with the kernel path the environment asks for; reads nothing else."""
+@pytest.fixture(autouse=True, params=kernel_paths())
+def kernel_path(request, monkeypatch):
+    """Runs every test on each kernel path (the id says which); the binding reads
+    FLASH_ATTN_FORCE_SM80 at every call."""
+    if request.param == "sm80":
+        monkeypatch.setenv("FLASH_ATTN_FORCE_SM80", "1")
+    else:
+        monkeypatch.delenv("FLASH_ATTN_FORCE_SM80", raising=False)
     return request.param
 
 

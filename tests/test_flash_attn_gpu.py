@@ -6,8 +6,9 @@ input dtype, mult = 2 for out and dv, 3 for dq and dk, atol = 1e-5 * max(1, max|
 Outputs cannot be passed in (FlashAttention-2's API), so the CUDA caching allocator is filled with
 NaN before every test: anything a kernel forgets to write reads back as NaN and fails.
 
-Test ids carry the kernel path the environment asks for (``defaultpath`` or ``sm80forced`` when
-``FLASH_ATTN_FORCE_SM80=1``), so runs with and without it can be told apart in one report.
+Every test runs on each kernel path of the GPU (``sm90`` and ``sm80`` on an H100; the id says
+which; FLASH_ATTN_TEST_PATHS=sm90 narrows it): the SM90 path is the Hopper forward with the SM80
+backward, the other forces the SM80 kernels throughout.
 
 Sizes are chosen for a whole-suite run of a few minutes on one H100.
 """
