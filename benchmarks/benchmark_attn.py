@@ -8,7 +8,12 @@ Grid (the FlashAttention papers', see ../shared/anchors/README.md): q, k, v of s
 (heads = 2048 / hdim), hdim in {64, 128, 256}, seqlen in {512, ..., 16384}, causal or not, bf16.
 FLOPs: forward = 4 * batch * heads * seqlen^2 * hdim, halved when causal; backward = 2.5 x forward.
 Time: median of triton.testing.do_bench (L2 flushed before every repetition; CUDA events if
-triton is missing). The backward is timed alone: torch.autograd.grad on a retained graph.
+triton is missing). The forward is captured once in a CUDA graph per backend and the replays are
+timed (--fwd-timing graph, the default), so every backend's number is GPU time: with the L2
+flush between repetitions, eager timing adds whatever host time (Python dispatch, argument
+checks) exceeds the flush, which dominates short sequences and varies from run to run.
+`--fwd-timing eager` times plain calls with autograd on. The backward is timed alone, eagerly:
+torch.autograd.grad on a retained graph.
 The SDPA backends get the same tensors as views q.transpose(1, 2).
 
 Examples:
@@ -58,6 +63,8 @@ def parse_args(argv=None):
                    help=f"comma list from {','.join(ALL_BACKENDS)} (default all)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per call (default 16384)")
     p.add_argument("--hidden", type=int, default=2048, help="heads * hdim (default 2048)")
+    p.add_argument("--fwd-timing", choices=("graph", "eager"), default="graph",
+                   help="forward timing: CUDA-graph replays (GPU time, default) or eager calls")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench rep, ms (default 100)")
     p.add_argument("--anchors", default=os.path.join(HERE, "anchors.json"),
@@ -269,7 +276,14 @@ def run_shape(hdim, seqlen, causal, args, timer, dtype) -> List[dict]:
                 def fwd():  # grad enabled: the forward of a training step
                     fn(q, k, v)
 
-                ms = timer(fwd, args.warmup, args.rep)
+                if args.fwd_timing == "graph":
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.no_grad(), torch.cuda.graph(graph):
+                        fn(q, k, v)
+                    ms = timer(graph.replay, args.warmup, args.rep)
+                    del graph
+                else:
+                    ms = timer(fwd, args.warmup, args.rep)
                 row["fwd_ms"], row["fwd_tflops"] = ms, flops_fwd / (ms * 1e-3) / 1e12
                 if not args.no_bwd:
                     out = fn(q, k, v)
@@ -386,6 +400,7 @@ def environment(timer_name, ceilings, args) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "timer": timer_name,
+        "fwd_timing": args.fwd_timing,
         "warmup_ms": args.warmup,
         "rep_ms": args.rep,
         "dtype": args.dtype,

@@ -1,4 +1,4 @@
-// SM90 forward kernel: warp-specialised and persistent. Warp group 0 produces (TMA loads into
+// SM90 forward kernel: warp-specialised, persistent for uniform tiles. Warp group 0 produces (TMA loads into
 // the K and V pipelines, registers lowered with setmaxnreg), the consumer warp groups compute
 // (WGMMA, softmax, epilogue, registers raised). Parts: Sm90FwdMainloop, Sm90FwdEpilogue,
 // StaticTileScheduler; types and tile sizes in Sm90FwdTraits.
@@ -9,6 +9,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cute/tensor.hpp>
 
 #include "epilogue_fwd_sm90.h"
@@ -121,9 +122,9 @@ inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
     return extent <= 1 ? headdim : stride;
 }
 
-template <class T, int kHeadDim>
-void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
-    using Traits = Sm90FwdTraits<T, kHeadDim>;
+template <class Traits>
+void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
+    using T = typename Traits::Element;
     const bool varlen = p.is_varlen();
     const int rows_q = varlen ? p.total_q : p.seqlen_q;
     const int rows_k = varlen ? p.total_k : p.seqlen_k;
@@ -155,13 +156,32 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         sched};
 
     auto kernel = flash_fwd_sm90_kernel<Traits>;
-    // Per device and cheap; a failure surfaces as the launch error the binding checks.
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    int device = 0, num_sms = 0;
+    int device = 0;
     cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-    const int grid = std::max(1, std::min(StaticTileScheduler::num_tiles(sched), num_sms));
-    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+    // Once per device; a failure surfaces as the launch error the binding checks.
+    static std::atomic<uint64_t> smem_configured{0};
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (bit == 0 || (smem_configured.load(std::memory_order_relaxed) & bit) == 0) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Traits::kSmemBytes);
+        smem_configured.fetch_or(bit, std::memory_order_relaxed);
+    }
+    int grid = StaticTileScheduler::num_tiles(sched);
+    if constexpr (Traits::kPersistent) {
+        int num_sms = 0;
+        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+        grid = std::min(grid, num_sms);
+    }
+    kernel<<<std::max(grid, 1), Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+}
+
+template <class T, int kHeadDim>
+void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
+    if (p.window_left >= 0 || p.window_right >= 0) {
+        launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true>>(p, stream);
+    } else {
+        launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, false>>(p, stream);
+    }
 }
 
 }  // namespace flash

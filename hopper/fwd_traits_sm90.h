@@ -19,15 +19,19 @@
 
 namespace flash {
 
-template <class T, int kHeadDim>
+// kBand: a causal or window mask may cut blocks anywhere; without it only the key-length bound
+// can, and only in the first key block the consumers process (the last one in the sequence).
+template <class T, int kHeadDim, bool kBand_>
 struct Sm90FwdTraits {
     using Element = T;
-    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim);
+    static constexpr bool kBand = kBand_;
+    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;
+    static constexpr bool kPersistent = kTile.persistent;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.

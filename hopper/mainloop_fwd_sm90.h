@@ -181,12 +181,15 @@ struct Sm90FwdMainloop {
             }
         };
 
-        // softcap, then the mask where the block needs one, then the online softmax.
-        auto scores = [&](auto& acc_s, int n, float (&corr)[kRows]) {
+        // softcap, then the mask where the block needs one (`may_mask` false: the caller knows
+        // it does not), then the online softmax.
+        auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
-            if (mask.tile_needs_mask(g.row0, kBlockM, n * kBlockN, kBlockN)) {
-                apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN);
+            if constexpr (decltype(may_mask)::value) {
+                if (mask.tile_needs_mask(g.row0, kBlockM, n * kBlockN, kBlockN)) {
+                    apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN);
+                }
             }
             softmax.update_scores(s_rc, p.scale_log2, corr);
         };
@@ -205,7 +208,7 @@ struct Sm90FwdMainloop {
         k_pipe.consumer_release(k_state);
         ++k_state;
         float corr[kRows];
-        scores(acc_s, n, corr);
+        scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
 
         // Middle blocks: S of block n and O += P V of block n + 1 in flight together.
@@ -220,7 +223,7 @@ struct Sm90FwdMainloop {
             warpgroup_wait<1>();
             k_pipe.consumer_release(k_state);
             ++k_state;
-            scores(acc_s, n, corr);
+            scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
             warpgroup_wait<0>();
             v_pipe.consumer_release(v_state);
             ++v_state;

@@ -1,7 +1,9 @@
-// Persistent tile scheduler of the SM90 forward: a grid of at most one CTA per SM walks the
-// (m_block, head, batch) tiles with a static stride. The tiles of one head are adjacent, so the
-// CTAs running at the same time share K and V in L2; within a head the bottom tiles (the most
-// keys under a causal or window mask) come first, so the long tiles start early.
+// Tile scheduler of the SM90 forward: CTAs walk the (m_block, head, batch) tiles with a static
+// stride of gridDim.x. Persistent (grid = number of SMs) for uniform tiles; with a grid of one
+// CTA per tile the hardware hands tiles out in index order as SMs free up, which balances tiles
+// of different lengths (tile_config.h). The tiles of one head are adjacent, so the CTAs running
+// at the same time share K and V in L2; within a head the bottom tiles (the most keys under a
+// causal or window mask) come first, so the long tiles start early.
 #pragma once
 
 #include <cuda_runtime.h>

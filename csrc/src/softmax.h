@@ -118,8 +118,14 @@ struct OnlineSoftmax {
         }
     }
 
+    // o *= corr, skipped when no row max of this thread moved (every factor is then exactly 1:
+    // exp2(0)), which is most key blocks once the max has settled.
     template <class O>
     __forceinline__ __device__ static void rescale(O& o, float const (&corr)[kRows]) {
+        bool moved = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) moved |= corr[r] != 1.f;
+        if (!moved) return;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL

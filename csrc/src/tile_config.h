@@ -41,6 +41,7 @@ struct Sm90FwdTile {
     int block_m, block_n, stages;
     int consumer_warpgroups;  // each owns 64 rows of the block_m-row Q tile
     bool pingpong;            // consumer warp groups take turns issuing their GEMMs
+    bool persistent;          // one CTA per SM walking the tiles, else one CTA per tile
 };
 
 // SM90 forward: a producer warp group feeds K and V through TMA pipelines; two consumer warp
@@ -48,10 +49,15 @@ struct Sm90FwdTile {
 // S (block_n / 2 floats), P (block_n / 4) and O (d / 2 floats), twice over S/P while the next
 // block's S GEMM overlaps this block's softmax. Shared memory (227 KiB) holds Q and `stages`
 // K and V tiles: block_n shrinks as d grows so that both fit.
-constexpr Sm90FwdTile sm90_fwd_tile(int d) {
-    return d <= 128   ? Sm90FwdTile{128, 128, 2, 2, true}   // 160 KiB at d=128
-           : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true}    // 192 KiB at d=192
-                      : Sm90FwdTile{128, 80, 2, 2, false};  // 224 KiB at d=256; O is 128 floats
+// `band`: causal or window mask. Its tiles differ in length, and one CTA per tile (the hardware
+// hands out the longest first) beat the persistent static schedule (d=128, 16k causal: 568 vs
+// 401 TFLOP/s, benchmarks/NOTES.md); its diagonal blocks also waste less at block_n = 128.
+// Without a band the tiles are uniform: persistent, and block_n = 176 (+5% at d=128, 8k).
+constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
+    return d <= 128 ? (band ? Sm90FwdTile{128, 128, 2, 2, true, false}    // 160 KiB
+                            : Sm90FwdTile{128, 176, 2, 2, true, true})    // 208 KiB
+           : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, !band}           // 192 KiB at d=192
+                      : Sm90FwdTile{128, 80, 2, 2, false, !band};         // 224 KiB; O 128 floats
 }
 
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
