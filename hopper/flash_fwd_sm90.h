@@ -80,10 +80,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
         const int ctid = int(threadIdx.x) - 128;
-        if constexpr (Traits::kPingPong) {
-            // Group 0 issues first.
-            if (ctid / 128 == 1) barrier_arrive(NamedBarrier::kTurnConsumer0, Traits::kConsumerThreads);
-        }
+        if constexpr (Traits::kPingPong) ConsumerTurns<Traits::kConsumerWarpGroups>::start(ctid / 128);
         typename Traits::PipeState k_state, v_state;
         int q_phase = 0;
         typename Traits::MmaPV mma_pv;

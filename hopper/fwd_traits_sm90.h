@@ -35,10 +35,11 @@ struct Sm90FwdTraits {
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
+    // 65536 registers per SM, allocated per warp group in steps of 8 per thread.
     static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
-    static_assert(kConsumerWarpGroups == 2, "the ping-pong turns assume two consumer groups");
+    static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
     static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <= 65536);
 
     using BM = Int<kBlockM>;

@@ -165,20 +165,13 @@ struct Sm90FwdMainloop {
         OnlineSoftmax<kRows> softmax;
         clear(acc_o);
 
-        // Turns between the two consumer warp groups: wait for ours, pass it on once issued.
+        // Turns between the consumer warp groups: wait for ours, pass it on once issued.
+        using Turns = ConsumerTurns<Traits::kConsumerWarpGroups>;
         auto take_turn = [&] {
-            if constexpr (Traits::kPingPong) {
-                barrier_sync(group == 0 ? NamedBarrier::kTurnConsumer0
-                                        : NamedBarrier::kTurnConsumer1,
-                             Traits::kConsumerThreads);
-            }
+            if constexpr (Traits::kPingPong) Turns::take(group);
         };
         auto pass_turn = [&] {
-            if constexpr (Traits::kPingPong) {
-                barrier_arrive(group == 0 ? NamedBarrier::kTurnConsumer1
-                                          : NamedBarrier::kTurnConsumer0,
-                               Traits::kConsumerThreads);
-            }
+            if constexpr (Traits::kPingPong) Turns::pass(group);
         };
 
         // softcap, then the mask where the block needs one (`may_mask` false: the caller knows

@@ -11,15 +11,16 @@ namespace flash {
 using namespace cute;
 
 // Warp group 0 loads, the others compute.
-enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
+enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, kConsumer2 = 3 };
 
 // Hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing else in these kernels
 // uses named barriers, so the ids are ours from 1.
 enum class NamedBarrier : int {
     kQueryEmpty = 1,   // consumers are done with the Q/O tile: the producer may load the next Q
     kConsumers = 2,    // all consumer threads (epilogue staging through shared memory)
-    kTurnConsumer0 = 3,  // consumer warp group 0 may issue its GEMMs
-    kTurnConsumer1 = 4,  // consumer warp group 1 may issue its GEMMs
+    kTurnConsumer0 = 3,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
+    kTurnConsumer1 = 4,
+    kTurnConsumer2 = 5,
 };
 
 __forceinline__ __device__ void barrier_sync(NamedBarrier id, int threads) {
@@ -29,6 +30,26 @@ __forceinline__ __device__ void barrier_sync(NamedBarrier id, int threads) {
 __forceinline__ __device__ void barrier_arrive(NamedBarrier id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
 }
+
+// The consumer groups issue their GEMMs in a ring: group g waits for its turn and passes it to
+// group g + 1. Each turn barrier counts the waiting group and the one handing over.
+template <int kGroups>
+struct ConsumerTurns {
+    static_assert(kGroups >= 2 && kGroups <= 3);
+    static constexpr int kThreads = 2 * 128;
+
+    __device__ static NamedBarrier turn_of(int group) {
+        return NamedBarrier(int(NamedBarrier::kTurnConsumer0) + group);
+    }
+    // Before the first tile: the last group hands the first turn to group 0.
+    __device__ static void start(int group) {
+        if (group == kGroups - 1) barrier_arrive(turn_of(0), kThreads);
+    }
+    __device__ static void take(int group) { barrier_sync(turn_of(group), kThreads); }
+    __device__ static void pass(int group) {
+        barrier_arrive(turn_of(group + 1 == kGroups ? 0 : group + 1), kThreads);
+    }
+};
 
 // acc (+)= A * B for one warp group, issued asynchronously: the caller waits with
 // warpgroup_wait<N>() before it touches `acc` (or a register A) again.
