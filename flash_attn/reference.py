@@ -155,6 +155,10 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
     s, _ = _scores(q, ke, softmax_scale, softcap)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, lse = _masked_softmax(s, keep)
+    if seqused_k is not None:
+        # Rows past seqused_k are never read (an unused cache slot may hold NaN; 0 * NaN = NaN).
+        used = torch.arange(sk, device=q.device)[None, :] < seqused_k.to(q.device)[:, None].long()
+        ve = ve.masked_fill(~used[:, :, None, None], 0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, ve)
     return out, lse
 

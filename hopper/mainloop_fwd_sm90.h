@@ -187,6 +187,23 @@ struct Sm90FwdMainloop {
             softmax.update_scores(s_rc, p.scale_log2, corr);
         };
 
+        // V rows past the sequence's end in its last block were read from whatever memory holds
+        // them (the next varlen sequence, an unused KV-cache slot). Their P is exactly 0, but
+        // 0 * NaN is NaN: zero them before the first PV GEMM reads the block. Batched tensors
+        // without seqused_k end at the sequence, and TMA zero-fills past a tensor's end.
+        auto clear_v_tail = [&](int n) {
+            const int valid = seq.seqlen_k - n * kBlockN;
+            if (valid >= kBlockN || !(p.is_varlen() || p.seqused_k != nullptr)) return;
+            Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+            const int stage = v_state.index();
+            constexpr int kD = D::value;
+            for (int i = ctid; i < (kBlockN - valid) * kD; i += Traits::kConsumerThreads) {
+                sV(valid + i / kD, i % kD, stage) = T(0);
+            }
+            cutlass::arch::fence_view_async_shared();  // generic writes, then WGMMA reads
+            barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
+        };
+
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
         ss.q_full.wait(q_phase);
         q_phase ^= 1;
@@ -209,6 +226,7 @@ struct Sm90FwdMainloop {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
             k_pipe.consumer_wait(k_state);
             v_pipe.consumer_wait(v_state);
+            if (n == g.n_last - 2) clear_v_tail(n + 1);
             take_turn();
             wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
             wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
@@ -227,6 +245,7 @@ struct Sm90FwdMainloop {
         // Last block: O += P V only.
         Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
         v_pipe.consumer_wait(v_state);
+        if (g.n_first == g.n_last - 1) clear_v_tail(g.n_first);
         take_turn();
         wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
         pass_turn();

@@ -190,6 +190,12 @@ def test_seqused_k_batched():
     v2[1, 2:] = torch.randn_like(v2[1, 2:])
     out2, _ = attention_forward_ref(q, k2, v2, seqused_k=used, causal=True)
     torch.testing.assert_close(out, out2, atol=0, rtol=0)
+    # not even NaN or Inf there (an unused KV-cache slot holds anything)
+    k2[1, 2:] = float("nan")
+    v2[1, 2::2] = float("nan")
+    v2[1, 3::2] = float("inf")
+    out3, _ = attention_forward_ref(q, k2, v2, seqused_k=used, causal=True)
+    torch.testing.assert_close(out, out3, atol=0, rtol=0)
 
 
 def _varlen_from_lists(lens_q, lens_k, h, hk, d, requires_grad=False):

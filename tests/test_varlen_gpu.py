@@ -272,3 +272,52 @@ def test_unpad_varlen_pad_matches_batched(causal, ratio):
         g_b = torch.autograd.grad(out_b, lv, dout[sl_q].unsqueeze(0))
         compare_to_ref(out_b, g_b, leaves, plain_qkv, dict(causal=causal),
                        dout[sl_q].unsqueeze(0), tag=f" (batched, sequence {i})")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_keys_of_other_sequences_do_not_leak(d, causal):
+    """The kernels read whole key blocks, so a sequence's last block overlaps the next
+    sequence's rows. Those rows hold NaN and Inf here (sequences without queries, so no output
+    depends on them): no other sequence's output may see them."""
+    torch.manual_seed(22)
+    lq, lk = [130, 0, 64, 0], [200, 50, 257, 90]
+    h = 4
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q = rand(sum(lq), h, d, dtype=torch.bfloat16, requires_grad=False)
+    k = rand(sum(lk), h, d, dtype=torch.bfloat16, requires_grad=False)
+    v = rand(sum(lk), h, d, dtype=torch.bfloat16, requires_grad=False)
+    k_ref, v_ref = k.clone(), v.clone()
+    for i in (1, 3):
+        lo, hi = int(cu_k[i]), int(cu_k[i + 1])
+        k[lo:hi] = float("nan")
+        v[lo:hi:2] = float("nan")
+        v[lo + 1:hi:2] = float("inf")
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(lq), max_seqlen_k=max(lk), causal=causal)
+    rk = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out_ref, _ = attention_ref(q, k_ref, v_ref, compute_dtype=REF_DTYPE, **rk)
+    out_pt, _ = attention_ref(q, k_ref, v_ref, compute_dtype=q.dtype, **rk)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_seqused_k_ignores_unused_cache_rows(d):
+    """seqused_k (internal op; a KV cache filled up to a per-sequence length): the rows past it
+    hold NaN and must not reach the output."""
+    torch.manual_seed(23)
+    b, sq, sk, h = 3, 64, 300, 4
+    q = rand(b, sq, h, d, dtype=torch.bfloat16, requires_grad=False)
+    k = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
+    v = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
+    used = [300, 1, 123]
+    for i, n in enumerate(used):
+        k[i, n:] = float("nan")
+        v[i, n:] = float("nan")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, _ = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, sq, sk, d ** -0.5, False,
+                                       -1, -1, 0.0)
+    for i, n in enumerate(used):
+        ref, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], compute_dtype=REF_DTYPE)
+        pt, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], compute_dtype=q.dtype)
+        assert_accuracy(f"out[{i}]", out[i:i + 1], ref, pt, 2)
