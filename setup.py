@@ -177,7 +177,10 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
         "sm90_sources": sm90_sources,
         "missing_sm80": missing,
         "missing_sm90": sm90_missing,
-        "cxx_flags": ["-O3", f"-std=c++{cxx_std}"],
+        # The binding includes torch's headers, so it takes the C++ standard torch's
+        # cpp_extension passes (C++20 for current torch; C++17 there miscompiles c10 headers)
+        # unless FLASH_ATTN_CXX_STD names one. The kernels include no torch header.
+        "cxx_flags": ["-O3"] + ([f"-std=c++{cxx_std}"] if env.get("FLASH_ATTN_CXX_STD") else []),
         "nvcc_flags": nvcc_base_flags(cxx_std),
         "sm80_gencode": sm80_gencode(archs),
         "sm90_gencode": sm90_gencode(),
