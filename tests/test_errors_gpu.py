@@ -283,3 +283,55 @@ def test_bad_cu_seqlens_without_checks_do_not_crash_cuda():
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
     assert set(results) == set(BAD_CU_SEQLENS), log
     assert_cuda_usable()
+
+
+# Errors raised by the C++ binding itself (its TORCH_CHECKs), reached by calling the extension
+# directly, past the Python validation. Run in a subprocess: if the error path crashed the
+# process, the test fails instead of taking the suite down. Each case prints its outcome.
+_BINDING_ERRORS_SCRIPT = textwrap.dedent('''
+    import sys, torch
+    from flash_attn.ops import load_extension
+    ext = load_extension()
+
+    def case(name, fn):
+        try:
+            fn()
+            print(f"CASE {name} | no error", flush=True)
+        except Exception as e:
+            print(f"CASE {name} | {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        torch.cuda.synchronize()
+
+    q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16, device="cuda")
+    v_bad = torch.randn(2, 63, 4, 64, dtype=torch.bfloat16, device="cuda")
+    args = (None, None, None, None, 64, 64, 0.125, False, -1, -1, 0.0)
+    case("k_v_shapes_differ", lambda: ext.fwd(q, k, v_bad, *args))
+    built = {(e["kind"], e["dtype"], e["headdim"]) for e in ext.build_info()["kernels"]}
+    missing = [(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128, 160, 192, 224, 256)
+               if ("fwd", dt, d) not in built]
+    if missing:
+        dt, d = missing[0]
+        dtype = torch.float16 if dt == "fp16" else torch.bfloat16
+        x = torch.randn(1, 8, 2, d, dtype=dtype, device="cuda")
+        case("kernel_not_built", lambda: ext.fwd(x, x, x, None, None, None, None, 8, 8, 0.1,
+                                                  False, -1, -1, 0.0))
+    print("DONE", flush=True)
+''')
+
+
+def test_binding_errors_raise_and_do_not_crash():
+    """TORCH_CHECK failures in the binding (inconsistent shapes; in a subset build, a kernel that
+    was not compiled) raise Python exceptions; the process survives and CUDA stays usable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, "-c", _BINDING_ERRORS_SCRIPT], capture_output=True,
+                          text=True, timeout=300, env=env)
+    log = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0 and "DONE" in proc.stdout, f"the process died:\n{log}"
+    results = dict(line[5:].partition(" | ")[::2] for line in proc.stdout.splitlines()
+                   if line.startswith("CASE "))
+    assert results["k_v_shapes_differ"].startswith("RuntimeError"), log
+    if "kernel_not_built" in results:
+        assert results["kernel_not_built"].startswith("NotImplementedError"), log
+        assert "FLASH_ATTN_HEADDIMS" in results["kernel_not_built"], log
+    assert_cuda_usable()
