@@ -29,13 +29,24 @@ Dtype dtype_of(const at::Tensor& t) {
 
 const char* dtype_name(Dtype d) { return d == Dtype::kFp16 ? "fp16" : "bf16"; }
 
+// NotImplementedError for a valid request this build cannot serve. Raised through the Python
+// error state rather than a c10 exception built in this library: on the H100 a
+// TORCH_CHECK_NOT_IMPLEMENTED thrown from here crashed the process (cause not yet found).
+template <class... Args>
+[[noreturn]] void raise_not_implemented(const Args&... args) {
+    const std::string msg = c10::str(args...);
+    PyErr_SetString(PyExc_NotImplementedError, msg.c_str());
+    throw pybind11::error_already_set();
+}
+
 // The code path for this GPU: 80 (mma.sync kernels) on compute capability 8.x and 9.x; the SM90
 // kernels take 9.0 once registered unless FLASH_ATTN_FORCE_SM80=1.
 int code_path(Kind kind, Dtype dtype, int tier) {
     const auto* props = at::cuda::getCurrentDeviceProperties();
-    TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 8,
-                                "flash_attn: needs compute capability 8.0 or newer, this GPU is ",
-                                props->major, ".", props->minor);
+    if (props->major < 8) {
+        raise_not_implemented("flash_attn: needs compute capability 8.0 or newer, this GPU is ",
+                              props->major, ".", props->minor);
+    }
     const char* force = std::getenv("FLASH_ATTN_FORCE_SM80");
     const bool force_sm80 = force != nullptr && std::string(force) == "1";
     if (props->major == 9 && props->minor == 0 && !force_sm80) {
@@ -52,8 +63,8 @@ const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
     for (const auto& e : flash::kernel_registry()) {
         if (e.kind == kind && e.arch == arch && e.dtype == dtype && e.headdim == tier) return e;
     }
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false, "flash_attn: no ", kind == Kind::kFwd ? "forward" : "backward",
+    raise_not_implemented(
+        "flash_attn: no ", kind == Kind::kFwd ? "forward" : "backward",
         " kernel was built for ", dtype_name(dtype), " head dim ", headdim, " (tier ", tier, ", sm",
         arch, " path). Rebuild with FLASH_ATTN_HEADDIMS including ", tier,
         ", FLASH_ATTN_DTYPES including ", dtype_name(dtype),
@@ -63,9 +74,13 @@ const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
 
 // Kernels read rows with 16-byte accesses: the last dim must be contiguous, every other stride a
 // multiple of 8 elements and the base 16-byte aligned.
+// Strides must also be positive where the extent is above 1: an expanded (stride 0) K or V is
+// copied, since TMA descriptors take no zero or negative strides.
 bool is_kernel_ready(const at::Tensor& t) {
     bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-    for (int i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.stride(i) % 8 == 0 || t.size(i) == 1);
+    for (int i = 0; i + 1 < t.dim(); ++i) {
+        ok = ok && (t.size(i) == 1 || (t.stride(i) > 0 && t.stride(i) % 8 == 0));
+    }
     return ok;
 }
 
@@ -124,7 +139,8 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     TORCH_CHECK(k.size(-1) == pb.headdim, "flash_attn: q and k head dims differ");
     TORCH_CHECK(pb.headdim % 8 == 0 && pb.headdim > 0 && pb.headdim <= 256,
                 "flash_attn: head dim must be a multiple of 8 in [8, 256], got ", pb.headdim);
-    TORCH_CHECK(pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0, "flash_attn: nheads (", pb.nheads,
+    TORCH_CHECK(pb.nheads > 0 && pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
+                "flash_attn: nheads (", pb.nheads,
                 ") must be a multiple of nheads_k (", pb.nheads_k, ")");
     if (pb.varlen) {
         pb.batch = cu_seqlens_q->numel() - 1;
@@ -280,9 +296,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
                             bool deterministic) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!deterministic,
-                                "flash_attn: deterministic=True backward is not implemented (dq is "
-                                "accumulated with atomics); pass deterministic=False");
+    if (deterministic) {
+        raise_not_implemented(
+            "flash_attn: deterministic=True backward is not implemented (dq is accumulated with "
+            "atomics); pass deterministic=False");
+    }
     const Problem pb =
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);

@@ -26,6 +26,7 @@ varlen (``cu_seqlens_q`` given); ``dq, dk, dv`` have the shapes and dtypes of q,
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -54,6 +55,41 @@ def load_extension():
             ) from e
         _EXT = _C
     return _EXT
+
+
+# Head-dim tiers the kernels are compiled for (csrc/src/tile_config.h, kHeadDimTiers).
+_HEADDIM_TIERS = (32, 64, 96, 128, 160, 192, 224, 256)
+_BUILT_KERNELS = None
+
+
+def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.device) -> None:
+    """Raise NotImplementedError naming the build flags when this build has no kernel for the
+    call. Mirrors the binding's dispatch (SM90 kernels on compute capability 9.0 unless
+    FLASH_ATTN_FORCE_SM80=1, else SM80); the binding checks too, this says it without entering
+    C++.
+
+    Arguments:
+        kind: "fwd" or "bwd".
+        dtype: torch.float16 or torch.bfloat16.
+        headdim: the head dim handed to the kernel (a multiple of 8, at most 256).
+        device: the CUDA device of the call.
+    """
+    global _BUILT_KERNELS
+    if _BUILT_KERNELS is None:
+        _BUILT_KERNELS = {(k["kind"], k["arch"], k["dtype"], k["headdim"])
+                          for k in load_extension().build_info()["kernels"]}
+    tier = next((t for t in _HEADDIM_TIERS if headdim <= t), None)
+    dt = "fp16" if dtype == torch.float16 else "bf16"
+    sm90 = (torch.cuda.get_device_capability(device) == (9, 0)
+            and os.environ.get("FLASH_ATTN_FORCE_SM80", "") != "1")
+    if (kind, 80, dt, tier) in _BUILT_KERNELS or (sm90 and (kind, 90, dt, tier) in _BUILT_KERNELS):
+        return
+    raise NotImplementedError(
+        f"flash_attn: no {'forward' if kind == 'fwd' else 'backward'} kernel was built for {dt} "
+        f"head dim {headdim} (tier {tier}). Rebuild with FLASH_ATTN_HEADDIMS including {tier}, "
+        f"FLASH_ATTN_DTYPES including {dt}"
+        + (" and FLASH_ATTN_DISABLE_BACKWARD unset" if kind == "bwd" else "")
+        + "; `python -m flash_attn` lists what was built.")
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -111,6 +147,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
     if q.numel() == 0 or k.numel() == 0:
         return _empty_forward(q, cu_seqlens_q)
+    require_kernel("fwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
     out, lse = ext.fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
@@ -178,6 +215,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
         )
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    require_kernel("bwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
     dq, dk, dv = ext.bwd(
         dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,

@@ -479,6 +479,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap))
 
     monkeypatch.setattr(ops, "_EXT", FakeExt)
+    monkeypatch.setattr(ops, "require_kernel", lambda *args: None)  # no GPU to ask
     torch.manual_seed(26)
     q, k, v, cu_q, cu_k = _varlen_inputs([3, 2], [4, 5], 4, 2, 8, requires_grad=False)
     args = (q, k, v, cu_q, cu_k, None, 3, 5, 0.4, True, 2, 0, 1.5)
@@ -499,3 +500,31 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     calls.clear()
     e_out, e_lse = ops._fwd_cuda(q[:0], k, v, cu_q, cu_k, None, 0, 9, 0.4, False, -1, -1, 0.0)
     assert e_out.shape == (0, 4, 8) and e_lse.shape == (4, 0) and not calls
+
+
+def test_require_kernel_names_the_build_flags(monkeypatch):
+    """A call whose (dtype, head-dim tier) this build did not compile raises NotImplementedError
+    naming the flags, before entering the extension; SM90-only kernels count on compute
+    capability 9.0 only, and not with FLASH_ATTN_FORCE_SM80=1."""
+    from flash_attn import ops
+
+    monkeypatch.setattr(ops, "_BUILT_KERNELS", {("fwd", 80, "bf16", 64), ("fwd", 90, "fp16", 128),
+                                                ("bwd", 80, "bf16", 64)})
+    cc = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc["value"])
+    monkeypatch.delenv("FLASH_ATTN_FORCE_SM80", raising=False)
+    dev = torch.device("cpu")
+    ops.require_kernel("fwd", torch.bfloat16, 40, dev)  # tier 64, SM80 kernel
+    ops.require_kernel("bwd", torch.bfloat16, 64, dev)
+    ops.require_kernel("fwd", torch.float16, 128, dev)  # SM90 kernel on 9.0
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_HEADDIMS including 96"):
+        ops.require_kernel("fwd", torch.bfloat16, 96, dev)
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_DISABLE_BACKWARD"):
+        ops.require_kernel("bwd", torch.float16, 128, dev)
+    monkeypatch.setenv("FLASH_ATTN_FORCE_SM80", "1")
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_DTYPES including fp16"):
+        ops.require_kernel("fwd", torch.float16, 128, dev)
+    monkeypatch.delenv("FLASH_ATTN_FORCE_SM80")
+    cc["value"] = (8, 0)
+    with pytest.raises(NotImplementedError):
+        ops.require_kernel("fwd", torch.float16, 128, dev)
