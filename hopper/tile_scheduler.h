@@ -25,13 +25,13 @@ struct StaticTileScheduler {
 
     Params params;
 
-    static int num_tiles(Params const& p) { return p.num_m_blocks * p.nheads * p.batch; }
+    __host__ __device__ static int num_tiles(Params const& p) {
+        return p.num_m_blocks * p.nheads * p.batch;
+    }
 
     __device__ int first() const { return int(blockIdx.x); }
     __device__ int next(int idx) const { return idx + int(gridDim.x); }
-    __device__ bool valid(int idx) const {
-        return idx < params.num_m_blocks * params.nheads * params.batch;
-    }
+    __device__ bool valid(int idx) const { return idx < num_tiles(params); }
 
     __device__ Tile tile(int idx) const {
         const int hb = idx / params.num_m_blocks;

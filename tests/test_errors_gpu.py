@@ -250,12 +250,13 @@ _SUBPROCESS_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_cases(check_inputs: bool):
-    env = dict(os.environ)
-    env["FLASH_ATTN_CHECK_INPUTS"] = "1" if check_inputs else "0"
+def _run_script(script: str, *args: str, **env_extra: str):
+    """Runs `script` in a fresh Python with this test's import path. Returns (proc, results, log);
+    results maps each "CASE name | result" line the script printed to its result."""
+    env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, json.dumps(BAD_CU_SEQLENS)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=300)
     log = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
     results = {}
     for line in proc.stdout.splitlines():
@@ -263,6 +264,11 @@ def _run_cases(check_inputs: bool):
             name, _, result = line[5:].partition(" | ")
             results[name] = result
     return proc, results, log
+
+
+def _run_cases(check_inputs: bool):
+    return _run_script(_SUBPROCESS_SCRIPT, json.dumps(BAD_CU_SEQLENS),
+                       FLASH_ATTN_CHECK_INPUTS="1" if check_inputs else "0")
 
 
 def test_check_inputs_env_rejects_bad_cu_seqlens():
@@ -322,14 +328,8 @@ _BINDING_ERRORS_SCRIPT = textwrap.dedent('''
 def test_binding_errors_raise_and_do_not_crash():
     """TORCH_CHECK failures in the binding (inconsistent shapes; in a subset build, a kernel that
     was not compiled) raise Python exceptions; the process survives and CUDA stays usable."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, "-c", _BINDING_ERRORS_SCRIPT], capture_output=True,
-                          text=True, timeout=300, env=env)
-    log = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-4000:]}"
+    proc, results, log = _run_script(_BINDING_ERRORS_SCRIPT)
     assert proc.returncode == 0 and "DONE" in proc.stdout, f"the process died:\n{log}"
-    results = dict(line[5:].partition(" | ")[::2] for line in proc.stdout.splitlines()
-                   if line.startswith("CASE "))
     assert results["k_v_shapes_differ"].startswith("RuntimeError"), log
     if "kernel_not_built" in results:
         assert results["kernel_not_built"].startswith("NotImplementedError"), log
