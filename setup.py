@@ -121,6 +121,7 @@ def nvcc_base_flags(cxx_std: str) -> list[str]:
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-lineinfo",
         "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
+        "-DNDEBUG",  # CUTLASS's device-side debug checks cost registers in the hot loops
     ]
 
 

@@ -1,7 +1,8 @@
-// SM90 forward kernel: warp-specialised, persistent for uniform tiles. Warp group 0 produces (TMA loads into
-// the K and V pipelines, registers lowered with setmaxnreg), the consumer warp groups compute
-// (WGMMA, softmax, epilogue, registers raised). Parts: Sm90FwdMainloop, Sm90FwdEpilogue,
-// StaticTileScheduler; types and tile sizes in Sm90FwdTraits.
+// SM90 forward kernel: warp-specialised, persistent for uniform tiles (in clusters of two CTAs
+// sharing K/V loads from d = 128). Warp group 0 produces (TMA loads into the K and V pipelines,
+// registers lowered with setmaxnreg), the consumer warp groups compute (WGMMA, softmax,
+// epilogue, registers raised). Parts: Sm90FwdMainloop, Sm90FwdEpilogue, StaticTileScheduler;
+// types and tile sizes in Sm90FwdTraits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,19 +41,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     typename KPipe::Params k_params;
     k_params.role = is_producer ? PipeRole::Producer : PipeRole::Consumer;
     k_params.is_leader = threadIdx.x == 0;
-    k_params.num_consumers = Traits::kConsumerThreads;
     k_params.transaction_bytes = Traits::kKVBytes;
     typename VPipe::Params v_params;
     v_params.role = k_params.role;
     v_params.is_leader = k_params.is_leader;
-    v_params.num_consumers = k_params.num_consumers;
     v_params.transaction_bytes = Traits::kKVBytes;
-    KPipe k_pipe(ss.k_pipe, k_params, Shape<_1, _1, _1>{}, cute::true_type{}, cute::true_type{});
-    VPipe v_pipe(ss.v_pipe, v_params, Shape<_1, _1, _1>{}, cute::true_type{}, cute::true_type{});
+    KPipe k_pipe(ss.k_pipe, k_params, Traits::kConsumerThreads / 32);
+    VPipe v_pipe(ss.v_pipe, v_params, Traits::kConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
-    __syncthreads();
+    if constexpr (Traits::kClusterM > 1) {
+        // The other CTAs' multicasts and releases reach our barriers: they must be initialised.
+        cute::cluster_arrive_relaxed();
+        cute::cluster_wait();
+    } else {
+        __syncthreads();
+    }
 
-    const StaticTileScheduler sched{a.sched};
+    const typename Traits::Scheduler sched{a.sched};
     if (is_producer) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
         if (threadIdx.x / 32 != 0) return;  // one warp issues every load
@@ -75,6 +80,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             first = false;
         }
+        // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
         k_pipe.producer_tail(k_state);
         v_pipe.producer_tail(v_state);
     } else {
@@ -136,16 +142,14 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;
     using D = typename Traits::D;
-    const StaticTileScheduler::Params sched{(p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM,
-                                            p.nheads, p.batch};
+    const TileSchedulerParams sched{(p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM,
+                                    p.nheads, p.batch};
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
                       typename Traits::SmemLayoutQ{}, Shape<BM, D>{}, _1{}),
-        make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, rows_k, p.nheads_k, p.k_stride),
-                      take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<BN, D>{}, _1{}),
-        make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, rows_k, p.nheads_k, p.v_stride),
-                      take<0, 2>(typename Traits::SmemLayoutKV{}), Shape<BN, D>{}, _1{}),
+        Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, p.k_stride)),
+        Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, p.v_stride)),
         rows_q,
         rows_k,
         batch,
@@ -153,31 +157,62 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         sched};
 
     auto kernel = flash_fwd_sm90_kernel<Traits>;
+    constexpr int kCluster = Traits::kClusterM;
     int device = 0;
     cudaGetDevice(&device);
-    // Once per device; a failure surfaces as the launch error the binding checks.
-    static std::atomic<uint64_t> smem_configured{0};
-    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-    if (bit == 0 || (smem_configured.load(std::memory_order_relaxed) & bit) == 0) {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute cluster_dim;
+    cluster_dim.id = cudaLaunchAttributeClusterDimension;
+    cluster_dim.val.clusterDim.x = kCluster;
+    cluster_dim.val.clusterDim.y = 1;
+    cluster_dim.val.clusterDim.z = 1;
+    config.blockDim = dim3(Traits::kThreads);
+    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &cluster_dim;
+    config.numAttrs = kCluster > 1 ? 1 : 0;
+    // Once per device: the shared-memory opt-in and, for persistent kernels, how many clusters
+    // fit at once. A failure surfaces as the launch error the binding checks.
+    static std::atomic<int> resident[64] = {};
+    const bool cached = device < 64 && resident[device].load(std::memory_order_relaxed) > 0;
+    int clusters = cached ? resident[device].load(std::memory_order_relaxed) : 0;
+    if (!cached) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Traits::kSmemBytes);
-        smem_configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-    int grid = StaticTileScheduler::num_tiles(sched);
-    if constexpr (Traits::kPersistent) {
         int num_sms = 0;
         cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-        grid = std::min(grid, num_sms);
+        clusters = num_sms / kCluster;
+        if constexpr (kCluster > 1) {
+            // GPCs hold whole clusters: fewer than num_sms / 2 pairs may be resident.
+            config.gridDim = dim3(kCluster * clusters);
+            int fit = 0;
+            if (cudaOccupancyMaxActiveClusters(&fit, kernel, &config) != cudaSuccess) {
+                cudaGetLastError();  // a failed query only means the estimate above stays
+            } else if (fit > 0) {
+                clusters = std::min(clusters, fit);
+            }
+        }
+        if (device < 64) resident[device].store(std::max(clusters, 1), std::memory_order_relaxed);
     }
-    kernel<<<std::max(grid, 1), Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+    int units = Traits::Scheduler::num_units(sched);
+    if constexpr (Traits::kPersistent) units = std::min(units, std::max(clusters, 1));
+    config.gridDim = dim3(kCluster * std::max(units, 1));
+    cudaLaunchKernelEx(&config, kernel, args);
 }
 
 template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
-    if (p.window_left >= 0 || p.window_right >= 0) {
-        launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true>>(p, stream);
+    using Band = Sm90FwdTraits<T, kHeadDim, true>;
+    using Plain = Sm90FwdTraits<T, kHeadDim, false>;
+    const bool band = p.window_left >= 0 || p.window_right >= 0;
+    // The plain kernel's clusters pair query tiles of one sequence: every head needs a whole
+    // number of pairs. Other shapes take the one-CTA-per-tile kernel, whose mask handles them.
+    const int m_blocks = (p.seqlen_q + Plain::kBlockM - 1) / Plain::kBlockM;
+    const bool pairs = Plain::kClusterM == 1 || (!p.is_varlen() && m_blocks % Plain::kClusterM == 0);
+    if (band || !pairs) {
+        launch_fwd_sm90<Band>(p, stream);
     } else {
-        launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, false>>(p, stream);
+        launch_fwd_sm90<Plain>(p, stream);
     }
 }
 

@@ -8,6 +8,7 @@
 
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/tensor.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "params.h"
@@ -32,6 +33,9 @@ struct Sm90FwdTraits {
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;
     static constexpr bool kPersistent = kTile.persistent;
+    static constexpr int kClusterM = kTile.cluster_m;
+    static_assert(kClusterM == 1 || kPersistent, "clusters run the persistent schedule only");
+    using Scheduler = StaticTileScheduler<kClusterM>;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
@@ -76,11 +80,17 @@ struct Sm90FwdTraits {
                                             std::declval<GmemShape>(), std::declval<GmemStride>()));
     using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
                                         SmemLayoutQ{}, Shape<BM, D>{}, _1{}));
-    using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
-                                         take<0, 2>(SmemLayoutKV{}), Shape<BN, D>{}, _1{}));
+    // In a cluster each CTA loads 1/kClusterM of every K and V tile and multicasts it to all.
+    using TmaKVOp = std::conditional_t<(kClusterM > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+    template <class Gmem>
+    static auto make_tma_kv(Gmem const& gmem) {
+        return make_tma_copy(TmaKVOp{}, gmem, take<0, 2>(SmemLayoutKV{}), Shape<BN, D>{},
+                             Int<kClusterM>{});
+    }
+    using TmaKV = decltype(make_tma_kv(std::declval<GmemTensor>()));
 
-    using KPipe = KPipeline<kStages>;
-    using VPipe = VPipeline<kStages>;
+    using KPipe = KPipeline<kStages, kClusterM>;
+    using VPipe = VPipeline<kStages, kClusterM>;
     using PipeState = cutlass::PipelineState<kStages>;
 
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
@@ -108,7 +118,7 @@ struct Sm90FwdArgs {
     typename Traits::TmaKV tma_v;
     // Extents of the TMA views (see GmemShape): varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch_q, batch_k;
-    StaticTileScheduler::Params sched;
+    TileSchedulerParams sched;
 };
 
 }  // namespace flash

@@ -89,11 +89,14 @@ struct Sm90FwdMainloop {
             head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
             Shape<BN, D>{}, make_coord(_, _0{}));
 
+        // In a cluster this CTA loads its slice of each K/V tile for every CTA of the cluster.
+        constexpr int kCluster = Traits::kClusterM;
+        const int rank = kCluster == 1 ? 0 : int(cute::block_rank_in_cluster());
         auto tq = tma_partition(a.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                 group_modes<0, 2>(gQ));
-        auto tk = tma_partition(a.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+        auto tk = tma_partition(a.tma_k, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sK),
                                 group_modes<0, 2>(gK));
-        auto tv = tma_partition(a.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+        auto tv = tma_partition(a.tma_v, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sV),
                                 group_modes<0, 2>(gV));
         Tensor tQg = get<0>(tq);  // (TMA)
         Tensor tQs = get<1>(tq);
@@ -102,10 +105,19 @@ struct Sm90FwdMainloop {
         Tensor tVg = get<0>(tv);
         Tensor tVs = get<1>(tv);
 
+        // The TMA of K or V bound to a pipeline stage's full barrier (and multicast to the
+        // cluster).
+        auto bound = [&](auto const& tma, auto* barrier) {
+            if constexpr (kCluster == 1) {
+                return tma.with(*barrier);
+            } else {
+                return tma.with(*barrier, uint16_t((1u << kCluster) - 1));
+            }
+        };
         auto load_k = [&](int n) {
             k_pipe.producer_acquire(k_state);
             if (issuer) {
-                copy(a.tma_k.with(*k_pipe.producer_get_barrier(k_state)), tKg(_, n),
+                copy(bound(a.tma_k, k_pipe.producer_get_barrier(k_state)), tKg(_, n),
                      tKs(_, k_state.index()));
             }
             ++k_state;
@@ -113,7 +125,7 @@ struct Sm90FwdMainloop {
         auto load_v = [&](int n) {
             v_pipe.producer_acquire(v_state);
             if (issuer) {
-                copy(a.tma_v.with(*v_pipe.producer_get_barrier(v_state)), tVg(_, n),
+                copy(bound(a.tma_v, v_pipe.producer_get_barrier(v_state)), tVg(_, n),
                      tVs(_, v_state.index()));
             }
             ++v_state;
@@ -125,11 +137,13 @@ struct Sm90FwdMainloop {
             ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
             copy(a.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQg, tQs);
         }
-        load_v(g.n_last - 1);
+        // K runs one block ahead of V: an iteration's S GEMM of block n and PV GEMM of block
+        // n + 1 free K's stage before V's, so K(n) is issued as soon as its stage frees.
         for (int n = g.n_last - 2; n >= g.n_first; --n) {
             load_k(n);
-            load_v(n);
+            load_v(n + 1);
         }
+        load_v(g.n_first);
     }
 
     // ---------------------------------------------------------------- consumer ----
@@ -220,11 +234,14 @@ struct Sm90FwdMainloop {
         float corr[kRows];
         scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
+        if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
-        // Middle blocks: S of block n and O += P V of block n + 1 in flight together.
+        // Middle blocks: S of block n and O += P V of block n + 1 in flight together. Each
+        // iteration waits for the next block's K between its softmax and its PV wait: the
+        // branch there keeps ptxas from hoisting the PV wait above the softmax (it does within
+        // one basic block, which leaves the softmax no GEMM to overlap).
         for (--n; n >= g.n_first; --n) {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
-            k_pipe.consumer_wait(k_state);
             v_pipe.consumer_wait(v_state);
             if (n == g.n_last - 2) clear_v_tail(n + 1);
             take_turn();
@@ -235,6 +252,7 @@ struct Sm90FwdMainloop {
             k_pipe.consumer_release(k_state);
             ++k_state;
             scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
+            if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
             v_pipe.consumer_release(v_state);
             ++v_state;

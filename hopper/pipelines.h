@@ -1,8 +1,17 @@
 // TMA pipelines of the SM90 forward. K and V each get their own pipeline type with its own
 // Params type, so handing K's params (or barriers) to V's pipeline is a compile error even
 // when both have the same stage count (tests/cpp/kv_pipeline_swap_sm90_should_fail.cu).
+//
+// The producer side is CUTLASS's TMA pipeline (acquire a free stage, arm its full barrier with
+// the tile's bytes, wait for the consumers' releases at the end). The release is ours: one lane
+// per consumer warp arrives on the stage's empty barrier in every CTA of the cluster (the CTAs
+// that multicast into this stage). CUTLASS's release keeps a signalling flag and a target CTA
+// per thread and pipeline in registers, and at d = 128 those four registers spilled in the key
+// loop; elect.sync and a compile-time cluster size need none.
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 namespace flash {
@@ -10,28 +19,54 @@ namespace flash {
 struct KOperand {};
 struct VOperand {};
 
-template <class Operand, int kStages>
+template <class Operand, int kStages, int kClusterM = 1>
 class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     using Base = cutlass::PipelineTmaAsync<kStages>;
 
   public:
     using SharedStorage = typename Base::SharedStorage;
+    using PipelineState = typename Base::PipelineState;
 
     // Distinct per operand: deriving keeps every field of the CUTLASS params.
     struct Params : Base::Params {
         using operand = Operand;
     };
 
-    template <class ClusterShape, class InitBarriers, class InitMasks>
-    CUTLASS_DEVICE OperandPipeline(SharedStorage& storage, Params const& params,
-                                   ClusterShape cluster_shape, InitBarriers init_barriers,
-                                   InitMasks init_masks)
-        : Base(storage, params, cluster_shape, init_barriers, init_masks) {}
+    // Thread 0 initialises the barriers: full ones take the producer's arrival (plus the
+    // tile's bytes), empty ones one arrival per consumer warp of each CTA in the cluster. The
+    // caller fences and syncs the cluster before any use.
+    CUTLASS_DEVICE OperandPipeline(SharedStorage& storage, Params const& params, int consumer_warps)
+        : Base(storage, params, cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>{},
+               cute::false_type{}, cute::false_type{}),
+          empty_(&storage.empty_barrier_[0]) {
+        if (threadIdx.x == 0) {
+            CUTE_UNROLL
+            for (int s = 0; s < kStages; ++s) {
+                storage.full_barrier_[s].init(1);
+                storage.empty_barrier_[s].init(consumer_warps * kClusterM);
+            }
+        }
+    }
+
+    // Called by every lane of a consumer warp once the warp is done with the stage.
+    CUTLASS_DEVICE void consumer_release(PipelineState const& state) {
+        if (cute::elect_one_sync()) {
+            if constexpr (kClusterM == 1) {
+                empty_[state.index()].arrive();
+            } else {
+                CUTE_UNROLL
+                for (int cta = 0; cta < kClusterM; ++cta) empty_[state.index()].arrive(cta, 1u);
+            }
+        }
+    }
+
+  private:
+    typename Base::EmptyBarrier* empty_;
 };
 
-template <int kStages>
-using KPipeline = OperandPipeline<KOperand, kStages>;
-template <int kStages>
-using VPipeline = OperandPipeline<VOperand, kStages>;
+template <int kStages, int kClusterM = 1>
+using KPipeline = OperandPipeline<KOperand, kStages, kClusterM>;
+template <int kStages, int kClusterM = 1>
+using VPipeline = OperandPipeline<VOperand, kStages, kClusterM>;
 
 }  // namespace flash

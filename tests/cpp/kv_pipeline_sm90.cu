@@ -10,7 +10,6 @@ __global__ void build_pipelines() {
         smem + sizeof(flash::KPipeline<2>::SharedStorage));
     flash::KPipeline<2>::Params k_params;
     flash::VPipeline<2>::Params v_params;
-    auto cluster = cute::Shape<cute::_1, cute::_1, cute::_1>{};
-    flash::KPipeline<2> k(k_storage, k_params, cluster, cute::true_type{}, cute::true_type{});
-    flash::VPipeline<2> v(v_storage, v_params, cluster, cute::true_type{}, cute::true_type{});
+    flash::KPipeline<2> k(k_storage, k_params, 8);
+    flash::VPipeline<2> v(v_storage, v_params, 8);
 }

@@ -9,6 +9,5 @@ __global__ void swap_params() {
     extern __shared__ char smem[];
     auto& v_storage = *reinterpret_cast<flash::VPipeline<2>::SharedStorage*>(smem);
     flash::KPipeline<2>::Params k_params;
-    auto cluster = cute::Shape<cute::_1, cute::_1, cute::_1>{};
-    flash::VPipeline<2> v(v_storage, k_params, cluster, cute::true_type{}, cute::true_type{});
+    flash::VPipeline<2> v(v_storage, k_params, 8);
 }
