@@ -282,6 +282,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     p.k_stride = strides_of(k, pb.varlen);
     p.v_stride = strides_of(v, pb.varlen);
     p.o_stride = strides_of(out, pb.varlen);
+    at::Tensor workspace;
+    if (entry.arch == 90) {
+        workspace = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = workspace.data_ptr<int>();
+    }
     entry.fwd(p, at::cuda::getCurrentCUDAStream());
     check_launch();
     return {out, lse};

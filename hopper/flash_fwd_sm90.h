@@ -1,5 +1,5 @@
-// SM90 forward kernel: warp-specialised, persistent for uniform tiles (in clusters of two CTAs
-// sharing K/V loads from d = 128). Warp group 0 produces (TMA loads into the K and V pipelines,
+// SM90 forward kernel: warp-specialised and persistent (clusters of two CTAs share K/V loads
+// from d = 128 without a band). Warp group 0 produces (TMA loads into the K and V pipelines,
 // registers lowered with setmaxnreg), the consumer warp groups compute (WGMMA, softmax,
 // epilogue, registers raised). Parts: Sm90FwdMainloop, Sm90FwdEpilogue, StaticTileScheduler;
 // types and tile sizes in Sm90FwdTraits.
@@ -37,7 +37,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
     const bool is_producer = int(threadIdx.x / 128) == int(WarpGroupRole::kProducer);
 
-    if (threadIdx.x == 0) ss.q_full.init(1);
+    if (threadIdx.x == 0) {
+        ss.q_full.init(1);
+        ss.tiles.init(Traits::kConsumerThreads / 32);
+    }
     typename KPipe::Params k_params;
     k_params.role = is_producer ? PipeRole::Producer : PipeRole::Consumer;
     k_params.is_leader = threadIdx.x == 0;
@@ -63,22 +66,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (threadIdx.x / 32 != 0) return;  // one warp issues every load
         auto k_state = cutlass::make_producer_start_state<KPipe>();
         auto v_state = cutlass::make_producer_start_state<VPipe>();
-        bool first = true;
-        for (int idx = sched.first(); sched.valid(idx); idx = sched.next(idx)) {
-            const auto t = sched.tile(idx);
+        // Units whose tile has no query rows (past a varlen sequence's end) never reach the
+        // consumers. Uniform (cluster) schedules have none, so both CTAs of a pair agree.
+        auto has_rows = [&](int u) {
+            const Tile t = sched.tile(u);
+            return Mainloop::geometry(a.p, SeqInfo(a.p, t.bidb), t.m_block).has_rows();
+        };
+        auto next_with_rows = [&](int u, bool fetch) {
+            while (fetch || (sched.valid(u) && !has_rows(u))) {
+                u = __shfl_sync(0xffffffff, threadIdx.x % 32 == 0 ? sched.next(u) : 0, 0);
+                fetch = false;
+            }
+            return u;
+        };
+        int handed = 0;
+        int unit = next_with_rows(sched.first(), false);
+        ss.tiles.push(handed++, unit);
+        for (bool first = true; sched.valid(unit); first = false) {
+            const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block);
             // Once per tile after the first, matched by the consumers' arrive below.
             auto wait_query_empty = [&] {
                 if (!first) barrier_sync(NamedBarrier::kQueryEmpty, kQueryEmptyThreads);
             };
-            if (g.has_rows() && g.has_keys()) {
+            if (g.has_keys()) {
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
                                t.m_block, g, wait_query_empty);
             } else {
                 wait_query_empty();
             }
-            first = false;
+            unit = next_with_rows(unit, true);
+            ss.tiles.push(handed++, unit);
         }
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
         k_pipe.producer_tail(k_state);
@@ -90,27 +109,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         typename Traits::PipeState k_state, v_state;
         int q_phase = 0;
         typename Traits::MmaPV mma_pv;
-        for (int idx = sched.first(); sched.valid(idx); idx = sched.next(idx)) {
-            const auto t = sched.tile(idx);
+        int taken = 0;
+        for (int unit = ss.tiles.pop(taken++); sched.valid(unit);) {
+            const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block);
-            if (g.has_rows()) {
-                Tensor acc_o =
-                    partition_fragment_C(mma_pv, Shape<typename Traits::BM, typename Traits::D>{});
-                constexpr int kRows = decltype(size<0>(wgmma_acc_as_rows_cols(acc_o.layout())))::value;
-                float lse[kRows];
-                if (g.has_keys()) {
-                    Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, g,
-                                      acc_o, lse);
-                } else {
-                    // No key is visible: the rows attend to nothing.
-                    clear(acc_o);
-                    CUTE_UNROLL
-                    for (int r = 0; r < kRows; ++r) lse[r] = INFINITY;
-                }
-                Epilogue::store(a.p, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
+            // The producer hands out tiles with query rows only.
+            Tensor acc_o =
+                partition_fragment_C(mma_pv, Shape<typename Traits::BM, typename Traits::D>{});
+            constexpr int kRows = decltype(size<0>(wgmma_acc_as_rows_cols(acc_o.layout())))::value;
+            float lse[kRows];
+            if (g.has_keys()) {
+                Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, g, acc_o,
+                                  lse);
+            } else {
+                // No key is visible: the rows attend to nothing.
+                clear(acc_o);
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) lse[r] = INFINITY;
             }
-            if (sched.valid(sched.next(idx))) {
+            Epilogue::store(a.p, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
+            unit = ss.tiles.pop(taken++);
+            if (sched.valid(unit)) {
                 // The Q/O buffer is free: order our shared-memory accesses before the next TMA.
                 cutlass::arch::fence_view_async_shared();
                 barrier_arrive(NamedBarrier::kQueryEmpty, kQueryEmptyThreads);
@@ -123,6 +143,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 // any such stride serves for it.
 inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
     return extent <= 1 ? headdim : stride;
+}
+
+// Heads per section of the dynamic schedule: as many as keep their K and V within about half
+// of an H100's 50 MiB L2 (query heads of one GQA group share theirs).
+template <class Traits>
+int heads_per_section(FwdParams const& p) {
+    constexpr int64_t kL2Budget = int64_t(24) << 20;
+    const int64_t kv_bytes = 2 * int64_t(p.seqlen_k) * p.headdim * int64_t(sizeof(typename Traits::Element));
+    const int64_t per_head = std::max<int64_t>(kv_bytes * p.nheads_k / p.nheads, 1);
+    return int(std::clamp<int64_t>(kL2Budget / per_head, 1, int64_t(p.nheads) * p.batch));
 }
 
 template <class Traits>
@@ -143,7 +173,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BN = typename Traits::BN;
     using D = typename Traits::D;
     const TileSchedulerParams sched{(p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM,
-                                    p.nheads, p.batch};
+                                    p.nheads, p.batch, heads_per_section<Traits>(p),
+                                    p.tile_counter};
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
@@ -171,8 +202,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     config.stream = stream;
     config.attrs = &cluster_dim;
     config.numAttrs = kCluster > 1 ? 1 : 0;
-    // Once per device: the shared-memory opt-in and, for persistent kernels, how many clusters
-    // fit at once. A failure surfaces as the launch error the binding checks.
+    // Once per device: the shared-memory opt-in and how many CTAs (clusters) fit at once. A failure surfaces as the launch error the binding checks.
     static std::atomic<int> resident[64] = {};
     const bool cached = device < 64 && resident[device].load(std::memory_order_relaxed) > 0;
     int clusters = cached ? resident[device].load(std::memory_order_relaxed) : 0;
@@ -194,9 +224,9 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         }
         if (device < 64) resident[device].store(std::max(clusters, 1), std::memory_order_relaxed);
     }
-    int units = Traits::Scheduler::num_units(sched);
-    if constexpr (Traits::kPersistent) units = std::min(units, std::max(clusters, 1));
+    const int units = std::min(Traits::Scheduler::num_units(sched), std::max(clusters, 1));
     config.gridDim = dim3(kCluster * std::max(units, 1));
+    if constexpr (Traits::kBand) cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
     cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -32,10 +32,10 @@ struct Sm90FwdTraits {
     static constexpr int kStages = kTile.stages;
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;
-    static constexpr bool kPersistent = kTile.persistent;
     static constexpr int kClusterM = kTile.cluster_m;
-    static_assert(kClusterM == 1 || kPersistent, "clusters run the persistent schedule only");
-    using Scheduler = StaticTileScheduler<kClusterM>;
+    static_assert(kClusterM == 1 || !kBand, "band tiles differ in length: no lockstep pairs");
+    using Scheduler =
+        std::conditional_t<kBand, DynamicTileScheduler, StaticTileScheduler<kClusterM>>;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
@@ -103,6 +103,7 @@ struct Sm90FwdTraits {
         typename KPipe::SharedStorage k_pipe;
         typename VPipe::SharedStorage v_pipe;
         cutlass::arch::ClusterTransactionBarrier q_full;
+        TileQueue tiles;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");

@@ -1,15 +1,21 @@
-// Tile scheduler of the SM90 forward: clusters walk the (m_block group, head, batch) work units
-// with a static stride of the number of clusters. A unit is kClusterM neighbouring query tiles
-// of one head, one per CTA of the cluster (they share K and V through multicast). Persistent
-// (one CTA per SM) for uniform tiles; with one CTA per tile the hardware hands tiles out in
-// index order as SMs free up, which balances tiles of different lengths (tile_config.h). The
-// tiles of one head are adjacent, so the CTAs running at the same time share K and V in L2;
-// within a head the bottom tiles (the most keys under a causal or window mask) come first, so
-// the long tiles start early.
+// Tile schedulers of the SM90 forward. Both are persistent: the grid holds as many CTAs as fit
+// on the GPU at once, and each walks work units until they run out. A unit is kClusterM
+// neighbouring query tiles of one head, one per CTA of a cluster (they share K and V through
+// multicast).
+//  - StaticTileScheduler: uniform tiles (no band mask). CTAs stride through the units by the
+//    grid size; the tiles of one head are adjacent, so the CTAs running at the same time share
+//    K and V in L2.
+//  - DynamicTileScheduler: tiles of different lengths (causal, window, varlen). Units come
+//    longest first, the bottom query tiles (the most keys under a causal mask) of a section of
+//    heads before the tiles above them, and a CTA that finished early takes the next unit from
+//    a global counter. A section holds as many heads as keep their K and V in L2 together.
+// Only the producer warp asks the scheduler for the next unit; the consumers read it from a
+// TileQueue in shared memory.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
 
 namespace flash {
 
@@ -17,21 +23,21 @@ struct TileSchedulerParams {
     int num_m_blocks;  // a multiple of the cluster size (the launch checks it)
     int nheads;
     int batch;
+    int heads_per_section;  // dynamic only
+    int* counter;           // dynamic only: zero at launch, counts the units handed out
+};
+
+struct Tile {
+    int m_block;
+    int bidh;
+    int bidb;
 };
 
 template <int kClusterM>
 struct StaticTileScheduler {
     using Params = TileSchedulerParams;
-
-    struct Tile {
-        int m_block;
-        int bidh;
-        int bidb;
-    };
-
     Params params;
 
-    // Work units: clusters' worth of tiles.
     __host__ __device__ static int num_units(Params const& p) {
         return (p.num_m_blocks / kClusterM) * p.nheads * p.batch;
     }
@@ -46,6 +52,70 @@ struct StaticTileScheduler {
         const int rank = kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
         return {(groups - 1 - unit % groups) * kClusterM + rank, hb % params.nheads,
                 hb / params.nheads};
+    }
+};
+
+struct DynamicTileScheduler {
+    using Params = TileSchedulerParams;
+    Params params;
+
+    __host__ __device__ static int num_units(Params const& p) {
+        return p.num_m_blocks * p.nheads * p.batch;
+    }
+
+    __device__ int first() const { return int(blockIdx.x); }
+    // One lane of the producer warp calls this.
+    __device__ int next(int) const { return int(gridDim.x) + atomicAdd(params.counter, 1); }
+    __device__ bool valid(int unit) const { return unit < num_units(params); }
+
+    __device__ Tile tile(int unit) const {
+        const int heads = params.nheads * params.batch;
+        const int per_section = params.heads_per_section * params.num_m_blocks;
+        const int section = unit / per_section;
+        const int in_section = unit - section * per_section;
+        const int section_heads =
+            min(params.heads_per_section, heads - section * params.heads_per_section);
+        const int bh = section * params.heads_per_section + in_section % section_heads;
+        return {params.num_m_blocks - 1 - in_section / section_heads, bh % params.nheads,
+                bh / params.nheads};
+    }
+};
+
+// Two slots through which the producer warp hands each unit to the consumer warps: the
+// producer may run one unit ahead (it prefetches the next tile's K during this tile's
+// epilogue).
+struct TileQueue {
+    static constexpr int kSlots = 2;
+    int unit[kSlots];
+    cutlass::arch::ClusterBarrier full[kSlots];   // the producer's lane 0 wrote the slot
+    cutlass::arch::ClusterBarrier empty[kSlots];  // every consumer warp read it
+
+    __device__ void init(int consumer_warps) {
+        for (int s = 0; s < kSlots; ++s) {
+            full[s].init(1);
+            empty[s].init(consumer_warps);
+        }
+    }
+
+    // Producer warp, the i-th unit it hands out.
+    __device__ void push(int i, int u) {
+        const int s = i % kSlots;
+        empty[s].wait(((i / kSlots) & 1) ^ 1);
+        if (threadIdx.x % 32 == 0) {
+            unit[s] = u;
+            full[s].arrive();
+        }
+        __syncwarp();
+    }
+
+    // Every consumer thread, the i-th unit.
+    __device__ int pop(int i) {
+        const int s = i % kSlots;
+        full[s].wait((i / kSlots) & 1);
+        const int u = unit[s];
+        __syncwarp();
+        if (cute::elect_one_sync()) empty[s].arrive();
+        return u;
     }
 };
 

@@ -57,6 +57,7 @@ struct FwdParams : AttnShape {
     void* o = nullptr;
     float* lse = nullptr;  // batched (b, h, sq); varlen (h, total_q)
     TensorStrides q_stride, k_stride, v_stride, o_stride;
+    int* tile_counter = nullptr;  // SM90: one int of workspace for the dynamic tile scheduler
 };
 
 struct BwdParams : AttnShape {

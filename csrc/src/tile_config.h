@@ -41,7 +41,6 @@ struct Sm90FwdTile {
     int block_m, block_n, stages;
     int consumer_warpgroups;  // each owns 64 rows of the block_m-row Q tile
     bool pingpong;            // consumer warp groups take turns issuing their GEMMs
-    bool persistent;          // one CTA per SM walking the tiles, else one CTA per tile
     int cluster_m;            // CTAs of a cluster, on neighbouring query tiles of one head,
                               // that share each K/V tile through TMA multicast
 };
@@ -51,23 +50,23 @@ struct Sm90FwdTile {
 // S (block_n / 2 floats), P (block_n / 4) and O (d / 2 floats), twice over S/P while the next
 // block's S GEMM overlaps this block's softmax. Shared memory (227 KiB) holds Q and `stages`
 // K and V tiles: block_n shrinks as d grows so that both fit.
-// `band`: causal or window mask. Its tiles differ in length, and one CTA per tile (the hardware
-// hands out the longest first) beat the persistent static schedule (d=128, 16k causal: 568 vs
-// 401 TFLOP/s, benchmarks/NOTES.md); its diagonal blocks also waste less at block_n = 128.
-// Without a band the tiles are uniform: persistent, and block_n = 176 (+5% at d=128, 8k).
+// Every kernel is persistent (hopper/tile_scheduler.h). `band` (causal or window mask, and the
+// shapes the cluster kernel cannot pair): tiles differ in length, so they are handed out longest
+// first through a global counter, and block_n = 128 at d = 128 wastes less on the diagonal.
+// Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k).
 // d <= 64: three consumer groups (160 registers each) on a 192-row tile give each softmax
 // more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal.
 // cluster_m = 2 from d = 128 without a band: K and V then come from L2 at 128 FLOP per byte
 // or less, and the loads, not the GEMMs, set the pace (d=128 8k: 577 TFLOP/s as is, 664 with
 // the K/V loads of all but two blocks skipped). Two query tiles sharing each load halve that
-// traffic. The cluster kernel needs an even number of query tiles per head and no varlen; the
-// band kernel (cluster_m = 1) runs the rest.
+// traffic (d=128 8k 596 -> 610, d=256 8k 647 -> 720). The cluster kernel needs an even number
+// of query tiles per head and no varlen; the band kernel (cluster_m = 1) runs the rest.
 constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
-    return d <= 64    ? Sm90FwdTile{192, 128, 2, 3, true, !band, 1}  // O small: 3 groups x 64 rows
-           : d <= 128 ? (band ? Sm90FwdTile{128, 128, 2, 2, true, false, 1}  // 160 KiB
-                            : Sm90FwdTile{128, 176, 2, 2, true, true, 2})  // 208 KiB
-           : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, !band, band ? 1 : 2}  // 192 KiB at d=192
-                      : Sm90FwdTile{128, 80, 2, 2, false, !band, band ? 1 : 2};  // 224 KiB; O 128
+    return d <= 64    ? Sm90FwdTile{192, 128, 2, 3, true, 1}  // O small: 3 groups x 64 rows
+           : d <= 128 ? (band ? Sm90FwdTile{128, 128, 2, 2, true, 1}   // 160 KiB
+                            : Sm90FwdTile{128, 176, 2, 2, true, 2})  // 208 KiB
+           : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, band ? 1 : 2}    // 192 KiB at d=192
+                      : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
 
 // Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
