@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, and
-# varlen with an empty sequence) on the kernels of the current build. Run from the repo root
+# compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, no mask
+# with an even number of query tiles, and varlen with an empty sequence) on the kernels of the current build. Run from the repo root
 # on a GPU machine after building (e.g. `bash scripts/gpu_check.sh build`). Exit status is
 # non-zero if either tool reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
@@ -25,6 +25,11 @@ q = torch.randn(b, 77, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v, causal=True)
+# No mask, an even number of query tiles: the SM90 cluster kernel (K/V multicast) from d = 128.
+q = torch.randn(b, 256, h, d, device="cuda", dtype=dt)
+k = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
+v = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
+run(flash_attn_func, q, k, v)
 lens_q, lens_k = [5, 0, 70, 1], [9, 3, 64, 0]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
 cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
