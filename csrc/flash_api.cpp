@@ -29,9 +29,11 @@ Dtype dtype_of(const at::Tensor& t) {
 
 const char* dtype_name(Dtype d) { return d == Dtype::kFp16 ? "fp16" : "bf16"; }
 
-// NotImplementedError for a valid request this build cannot serve. Raised through the Python
-// error state rather than a c10 exception built in this library: on the H100 a
-// TORCH_CHECK_NOT_IMPLEMENTED thrown from here crashed the process (cause not yet found).
+// NotImplementedError for a valid request this build cannot serve, raised through the Python
+// error state. Known bug (H100, subset build): the raise in find_kernel segfaults, with this
+// helper and with TORCH_CHECK_NOT_IMPLEMENTED alike, while the one-literal raise in bwd works
+// and moving the lookup before the device guard did not help. flash_attn.ops.require_kernel
+// raises first for every Python entry point.
 template <class... Args>
 [[noreturn]] void raise_not_implemented(const Args&... args) {
     const std::string msg = c10::str(args...);
