@@ -67,13 +67,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         auto k_state = cutlass::make_producer_start_state<KPipe>();
         auto v_state = cutlass::make_producer_start_state<VPipe>();
         // Units whose tile has no query rows (past a varlen sequence's end) never reach the
-        // consumers. Uniform (cluster) schedules have none, so both CTAs of a pair agree.
+        // consumers. Only varlen has such tiles, and varlen never runs in clusters, so the CTAs
+        // of a pair always agree.
+        const bool varlen = a.p.is_varlen();
         auto has_rows = [&](int u) {
             const Tile t = sched.tile(u);
             return Mainloop::geometry(a.p, SeqInfo(a.p, t.bidb), t.m_block).has_rows();
         };
         auto next_with_rows = [&](int u, bool fetch) {
-            while (fetch || (sched.valid(u) && !has_rows(u))) {
+            while (fetch || (varlen && sched.valid(u) && !has_rows(u))) {
                 u = __shfl_sync(0xffffffff, threadIdx.x % 32 == 0 ? sched.next(u) : 0, 0);
                 fetch = false;
             }
@@ -150,7 +152,8 @@ inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
 template <class Traits>
 int heads_per_section(FwdParams const& p) {
     constexpr int64_t kL2Budget = int64_t(24) << 20;
-    const int64_t kv_bytes = 2 * int64_t(p.seqlen_k) * p.headdim * int64_t(sizeof(typename Traits::Element));
+    const int64_t kv_bytes =
+        2 * int64_t(p.seqlen_k) * p.headdim * int64_t(sizeof(typename Traits::Element));
     const int64_t per_head = std::max<int64_t>(kv_bytes * p.nheads_k / p.nheads, 1);
     return int(std::clamp<int64_t>(kL2Budget / per_head, 1, int64_t(p.nheads) * p.batch));
 }
@@ -202,7 +205,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     config.stream = stream;
     config.attrs = &cluster_dim;
     config.numAttrs = kCluster > 1 ? 1 : 0;
-    // Once per device: the shared-memory opt-in and how many CTAs (clusters) fit at once. A failure surfaces as the launch error the binding checks.
+    // Once per device: the shared-memory opt-in and how many CTAs (clusters) fit at once. A
+    // failure surfaces as the launch error the binding checks.
     static std::atomic<int> resident[64] = {};
     const bool cached = device < 64 && resident[device].load(std::memory_order_relaxed) > 0;
     int clusters = cached ? resident[device].load(std::memory_order_relaxed) : 0;
@@ -236,9 +240,10 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel's clusters pair query tiles of one sequence: every head needs a whole
-    // number of pairs. Other shapes take the one-CTA-per-tile kernel, whose mask handles them.
+    // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
     const int m_blocks = (p.seqlen_q + Plain::kBlockM - 1) / Plain::kBlockM;
-    const bool pairs = Plain::kClusterM == 1 || (!p.is_varlen() && m_blocks % Plain::kClusterM == 0);
+    const bool pairs =
+        Plain::kClusterM == 1 || (!p.is_varlen() && m_blocks % Plain::kClusterM == 0);
     if (band || !pairs) {
         launch_fwd_sm90<Band>(p, stream);
     } else {

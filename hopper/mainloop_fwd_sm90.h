@@ -114,22 +114,17 @@ struct Sm90FwdMainloop {
                 return tma.with(*barrier, uint16_t((1u << kCluster) - 1));
             }
         };
-        auto load_k = [&](int n) {
-            k_pipe.producer_acquire(k_state);
+        // Key block n into the pipeline's next stage.
+        auto load_block = [&](auto& pipe, PipeState& state, auto const& tma, auto const& tg,
+                              auto const& ts, int n) {
+            pipe.producer_acquire(state);
             if (issuer) {
-                copy(bound(a.tma_k, k_pipe.producer_get_barrier(k_state)), tKg(_, n),
-                     tKs(_, k_state.index()));
+                copy(bound(tma, pipe.producer_get_barrier(state)), tg(_, n), ts(_, state.index()));
             }
-            ++k_state;
+            ++state;
         };
-        auto load_v = [&](int n) {
-            v_pipe.producer_acquire(v_state);
-            if (issuer) {
-                copy(bound(a.tma_v, v_pipe.producer_get_barrier(v_state)), tVg(_, n),
-                     tVs(_, v_state.index()));
-            }
-            ++v_state;
-        };
+        auto load_k = [&](int n) { load_block(k_pipe, k_state, a.tma_k, tKg, tKs, n); };
+        auto load_v = [&](int n) { load_block(v_pipe, v_state, a.tma_v, tVg, tVs, n); };
 
         load_k(g.n_last - 1);
         wait_query_empty();
