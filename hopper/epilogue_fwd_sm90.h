@@ -1,16 +1,18 @@
-// Epilogue of the SM90 forward: O (normalised, fp32 in registers) is converted, staged in Q's
-// shared-memory buffer and written with 16-byte stores predicated on the sequence's rows and the
-// head dim, so varlen tiles never touch a neighbouring sequence; the LSE goes straight from
-// registers.
+// Epilogue of the SM90 forward: O (normalised, fp32 in registers) is converted and written from
+// registers, two neighbouring columns (4 bytes) per store, predicated on the sequence's rows and
+// the head dim so varlen tiles never touch a neighbouring sequence; the LSE likewise. Nothing
+// goes through shared memory, so the Q buffer is free once the tile's last S GEMM has read it
+// and the next tile's Q loads while this one finishes (short sequences gain most).
 #pragma once
+
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
 
 #include <cute/tensor.hpp>
 
 #include "fwd_traits_sm90.h"
 #include "mainloop_fwd_sm90.h"
 #include "seq_info.h"
-#include "sm80_traits.h"
-#include "sm80_utils.h"
 #include "sm90_utils.h"
 
 namespace flash {
@@ -20,43 +22,48 @@ struct Sm90FwdEpilogue {
     using T = typename Traits::Element;
     using BM = typename Traits::BM;
     using D = typename Traits::D;
-    static constexpr int kHeadDim = D::value;
-    using Copies = Sm80Copies<T, kHeadDim, Traits::kConsumerThreads>;
 
     // Run by every consumer thread; `acc_o` and `lse` are this thread's rows.
     template <class AccO, int kRows>
-    static __device__ void store(FwdParams const& p, typename Traits::SharedStorage& ss,
-                                 SeqInfo const& seq, int bidb, int bidh,
+    static __device__ void store(FwdParams const& p, SeqInfo const& seq, int bidb, int bidh,
                                  Sm90TileGeometry const& g, AccO const& acc_o,
                                  float const (&lse)[kRows]) {
         const int ctid = int(threadIdx.x) - 128;
         typename Traits::MmaPV mma_pv;
         auto thr_pv = mma_pv.get_thread_slice(ctid);
-
-        Tensor rO = convert_fragment<T>(acc_o);
-        Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutO{});
-        barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);  // Q is no longer read
-        auto copy_c = make_tiled_copy_C(typename Copies::StoreC{}, mma_pv);
-        auto cthr = copy_c.get_thread_slice(ctid);
-        copy(copy_c, cthr.retile_S(rO), cthr.partition_D(sO));
-        barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
-
-        T* o_ptr = static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, g.row0, bidh);
-        Tensor gO =
-            make_tensor(make_gmem_ptr(o_ptr), Shape<BM, D>{}, make_stride(p.o_stride.row, _1{}));
-        typename Copies::GmemStore gstore;
-        auto sthr = gstore.get_thread_slice(ctid);
-        Tensor tOgO = sthr.partition_D(gO);
-        store_tile(gstore, sthr.partition_S(sO), tOgO,
-                   sthr.partition_S(make_identity_tensor(Shape<BM, D>{})), g.rows, p.headdim);
-
         Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, D>{}));
         Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+        Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
+        static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
+
+        // Column offsets within the thread's fragment are compile-time constants: each store
+        // is one immediate offset from the row's pointer.
+        const auto base = cO_rc(0, 0);
+        const auto offsets = cO_rc.layout();
+        const int col0 = get<1>(base);
+        T* o_ptr = static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, g.row0, bidh) + col0;
         float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + g.row0;
+        cutlass::NumericArrayConverter<T, float, 2> convert;
         CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            const int row = get<0>(cO_rc(r, 0));
-            if (get<1>(cO_rc(r, 0)) == 0 && row < g.rows) lse_ptr[row] = lse[r];
+        for (int r = 0; r < size<0>(o_rc); ++r) {
+            const int row = get<0>(base) + get<0>(offsets(r, 0));
+            if (row >= g.rows) continue;
+            T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
+            // Columns 2j and 2j + 1 of the view are neighbours in the row (the accumulator's
+            // innermost mode), and the row stride is a multiple of 8: 4-byte aligned stores.
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o_rc); c += 2) {
+                const int col = get<1>(offsets(0, c));
+                cutlass::Array<float, 2> pair;
+                pair[0] = o_rc(r, c);
+                pair[1] = o_rc(r, c + 1);
+                const cutlass::Array<T, 2> packed = convert(pair);
+                if (col0 + col < p.headdim) {
+                    *reinterpret_cast<uint32_t*>(row_ptr + col) =
+                        reinterpret_cast<uint32_t const&>(packed);
+                }
+            }
+            if (col0 == 0) lse_ptr[row] = lse[r];
         }
     }
 };

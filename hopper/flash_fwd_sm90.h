@@ -31,7 +31,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     using KPipe = typename Traits::KPipe;
     using VPipe = typename Traits::VPipe;
     using PipeRole = typename KPipe::ThreadCategory;
-    constexpr int kQueryEmptyThreads = Traits::kConsumerThreads + 32;  // consumers + producer warp
 
     extern __shared__ __align__(1024) char smem[];
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
@@ -81,26 +80,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             return u;
         };
+        // Each Q load but the first waits for the consumers' release of the previous one (they
+        // arrive once per tile with keys, after its last S GEMM); one more wait at the end
+        // matches the last release.
+        bool query_held = false;
+        auto wait_query_empty = [&] {
+            if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
+            query_held = true;
+        };
         int handed = 0;
         int unit = next_with_rows(sched.first(), false);
         ss.tiles.push(handed++, unit);
-        for (bool first = true; sched.valid(unit); first = false) {
+        while (sched.valid(unit)) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block);
-            // Once per tile after the first, matched by the consumers' arrive below.
-            auto wait_query_empty = [&] {
-                if (!first) barrier_sync(NamedBarrier::kQueryEmpty, kQueryEmptyThreads);
-            };
             if (g.has_keys()) {
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
                                t.m_block, g, wait_query_empty);
-            } else {
-                wait_query_empty();
             }
             unit = next_with_rows(unit, true);
             ss.tiles.push(handed++, unit);
         }
+        if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
         k_pipe.producer_tail(k_state);
         v_pipe.producer_tail(v_state);
@@ -130,13 +132,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 CUTE_UNROLL
                 for (int r = 0; r < kRows; ++r) lse[r] = INFINITY;
             }
-            Epilogue::store(a.p, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
+            Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
             unit = ss.tiles.pop(taken++);
-            if (sched.valid(unit)) {
-                // The Q/O buffer is free: order our shared-memory accesses before the next TMA.
-                cutlass::arch::fence_view_async_shared();
-                barrier_arrive(NamedBarrier::kQueryEmpty, kQueryEmptyThreads);
-            }
         }
     }
 }

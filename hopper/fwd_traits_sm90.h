@@ -13,7 +13,6 @@
 
 #include "params.h"
 #include "pipelines.h"
-#include "sm80_traits.h"
 #include "sm90_utils.h"
 #include "tile_config.h"
 #include "tile_scheduler.h"
@@ -38,6 +37,8 @@ struct Sm90FwdTraits {
         std::conditional_t<kBand, DynamicTileScheduler, StaticTileScheduler<kClusterM>>;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
+    // NamedBarrier::kQueryEmpty: the consumers release Q to the producer warp.
+    static constexpr int kQueryEmptyThreads = kConsumerThreads + 32;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
     // 65536 registers per SM, allocated per warp group in steps of 8 per thread.
     static constexpr int kProducerRegs = 24;
@@ -68,9 +69,6 @@ struct Sm90FwdTraits {
     // V as the PV GEMM's B operand, (d, block_n, stages): the same bytes, transposed view.
     using SmemLayoutVt = decltype(composition(
         SmemLayoutKV{}, make_ordered_layout(Shape<D, BN, Stages>{}, Step<_2, _1, _3>{})));
-    // O is staged in Q's buffer for 16-byte global stores.
-    using SmemLayoutO = SmemTile<kBlockM, kHeadDim>;
-    static_assert(cosize_v<SmemLayoutO> == cosize_v<SmemLayoutQ>);
 
     // Global tensors as TMA sees them: (rows, d, heads, batch). Batched: rows = seqlen and the
     // batch is a mode; varlen: rows = all packed rows and one batch, sequences found by offset.

@@ -63,7 +63,7 @@ struct Sm90FwdMainloop {
 
     // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies.
     // `wait_query_empty` is called once, before Q is written, so the previous tile's consumers
-    // are done with the Q/O buffer; K's first block is issued before that wait.
+    // are done with the Q buffer; K's first block is issued before that wait.
     template <class WaitQueryEmpty>
     static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::KPipe& k_pipe,
                                 typename Traits::VPipe& v_pipe, PipeState& k_state,
@@ -144,7 +144,7 @@ struct Sm90FwdMainloop {
     // ---------------------------------------------------------------- consumer ----
 
     // Runs one tile for this consumer warp group: acc_o gets the normalised output, lse the
-    // natural-log LSE of this thread's rows.
+    // natural-log LSE of this thread's rows. Arrives on kQueryEmpty once Q is no longer read.
     template <class AccO, int kRows>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
@@ -213,6 +213,12 @@ struct Sm90FwdMainloop {
             barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
         };
 
+        // After the tile's last S GEMM has read Q: the producer may load the next tile's Q
+        // while this one finishes (the epilogue does not use shared memory).
+        auto release_query = [] {
+            barrier_arrive(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
+        };
+
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
         ss.q_full.wait(q_phase);
         q_phase ^= 1;
@@ -226,6 +232,7 @@ struct Sm90FwdMainloop {
         warpgroup_wait<0>();
         k_pipe.consumer_release(k_state);
         ++k_state;
+        if (n == g.n_first) release_query();
         float corr[kRows];
         scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
@@ -246,6 +253,7 @@ struct Sm90FwdMainloop {
             warpgroup_wait<1>();
             k_pipe.consumer_release(k_state);
             ++k_state;
+            if (n == g.n_first) release_query();
             scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();

@@ -16,7 +16,7 @@ enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, 
 // Hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing else in these kernels
 // uses named barriers, so the ids are ours from 1.
 enum class NamedBarrier : int {
-    kQueryEmpty = 1,   // consumers are done with the Q/O tile: the producer may load the next Q
+    kQueryEmpty = 1,   // consumers are done with the Q tile: the producer may load the next Q
     kConsumers = 2,    // all consumer threads (epilogue staging through shared memory)
     kTurnConsumer0 = 3,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
     kTurnConsumer1 = 4,
