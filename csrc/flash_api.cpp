@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "params.h"
 #include "registry.h"
@@ -21,22 +23,63 @@ namespace {
 using flash::Dtype;
 using flash::Kind;
 
+// Error messages are built without C++ streams: some GCC installs link only a static libstdc++,
+// so this module carries a second copy of the stream/locale code next to torch's, and formatting
+// a number through a stream here crashed the process instead of raising.
+void append(std::string& s, const char* v) { s += v; }
+void append(std::string& s, const std::string& v) { s += v; }
+void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+void append(std::string& s, const c10::Device& d) { s += d.str(); }
+
+void append(std::string& s, c10::IntArrayRef a) {
+    s += '[';
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (i > 0) s += ", ";
+        s += std::to_string(a[i]);
+    }
+    s += ']';
+}
+
+template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void append(std::string& s, T v) {
+    if constexpr (std::is_same_v<T, char>) {
+        s += v;
+    } else if constexpr (std::is_floating_point_v<T>) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%g", double(v));
+        s += buf;
+    } else {
+        s += std::to_string(v);
+    }
+}
+
+template <class... Args>
+std::string str_of(const Args&... args) {
+    std::string s;
+    (append(s, args), ...);
+    return s;
+}
+
+// Raises c10::Error (a RuntimeError in Python) with a message built by str_of.
+#define FA_CHECK(cond, ...)                                       \
+    do {                                                          \
+        if (!(cond)) C10_THROW_ERROR(Error, str_of(__VA_ARGS__)); \
+    } while (0)
+
 Dtype dtype_of(const at::Tensor& t) {
     if (t.scalar_type() == at::kHalf) return Dtype::kFp16;
     if (t.scalar_type() == at::kBFloat16) return Dtype::kBf16;
-    TORCH_CHECK(false, "flash_attn: expected float16 or bfloat16 tensors, got ", t.scalar_type());
+    C10_THROW_ERROR(
+        Error, str_of("flash_attn: expected float16 or bfloat16 tensors, got ", t.scalar_type()));
 }
 
 const char* dtype_name(Dtype d) { return d == Dtype::kFp16 ? "fp16" : "bf16"; }
 
 // NotImplementedError for a valid request this build cannot serve, raised through the Python
-// error state. Known bug (H100, subset build): the raise in find_kernel segfaults, with this
-// helper and with TORCH_CHECK_NOT_IMPLEMENTED alike, while the one-literal raise in bwd works
-// and moving the lookup before the device guard did not help. flash_attn.ops.require_kernel
-// raises first for every Python entry point.
+// error state. flash_attn.ops.require_kernel raises first for every Python entry point.
 template <class... Args>
 [[noreturn]] void raise_not_implemented(const Args&... args) {
-    const std::string msg = c10::str(args...);
+    const std::string msg = str_of(args...);
     PyErr_SetString(PyExc_NotImplementedError, msg.c_str());
     throw pybind11::error_already_set();
 }
@@ -98,21 +141,21 @@ flash::TensorStrides strides_of(const at::Tensor& t, bool varlen) {
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
-    TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
-    TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " is on ", t.device(), ", q on ",
-                q.device());
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
-                t.scalar_type(), ", q has ", q.scalar_type());
+    FA_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
+    FA_CHECK(t.device() == q.device(), "flash_attn: ", name, " is on ", t.device(), ", q on ",
+             q.device());
+    FA_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
+             t.scalar_type(), ", q has ", q.scalar_type());
 }
 
 void check_cu_seqlens(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
                       const at::Tensor& q) {
-    TORCH_CHECK(t.has_value(), "flash_attn: ", name, " is required for varlen inputs");
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
-                "flash_attn: ", name, " must be a contiguous 1-D int32 tensor");
-    TORCH_CHECK(t->device() == q.device(), "flash_attn: ", name, " must be on ", q.device());
-    TORCH_CHECK(t->numel() == batch + 1, "flash_attn: ", name, " must have batch + 1 = ", batch + 1,
-                " entries, got ", t->numel());
+    FA_CHECK(t.has_value(), "flash_attn: ", name, " is required for varlen inputs");
+    FA_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
+             "flash_attn: ", name, " must be a contiguous 1-D int32 tensor");
+    FA_CHECK(t->device() == q.device(), "flash_attn: ", name, " must be on ", q.device());
+    FA_CHECK(t->numel() == batch + 1, "flash_attn: ", name, " must have batch + 1 = ", batch + 1,
+             " entries, got ", t->numel());
 }
 
 // Shape, varlen offsets, scale and mask: the part of the params forward and backward share.
@@ -126,46 +169,45 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                  int64_t max_seqlen_k) {
     dtype_of(q);
-    TORCH_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
+    FA_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
     check_cuda_tensor(k, "k", q);
     check_cuda_tensor(v, "v", q);
     Problem pb{};
     pb.varlen = cu_seqlens_q.has_value();
     const int64_t rank = pb.varlen ? 3 : 4;
-    TORCH_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank,
-                "flash_attn: q, k, v must be ", rank, "-D", pb.varlen ? " (varlen)" : "");
-    TORCH_CHECK(k.sizes() == v.sizes(), "flash_attn: k and v must have the same shape");
+    FA_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "flash_attn: q, k, v must be ",
+             rank, "-D", pb.varlen ? " (varlen)" : "");
+    FA_CHECK(k.sizes() == v.sizes(), "flash_attn: k and v must have the same shape");
     pb.headdim = q.size(-1);
     pb.nheads = q.size(-2);
     pb.nheads_k = k.size(-2);
-    TORCH_CHECK(k.size(-1) == pb.headdim, "flash_attn: q and k head dims differ");
-    TORCH_CHECK(pb.headdim % 8 == 0 && pb.headdim > 0 && pb.headdim <= 256,
-                "flash_attn: head dim must be a multiple of 8 in [8, 256], got ", pb.headdim);
-    TORCH_CHECK(pb.nheads > 0 && pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
-                "flash_attn: nheads (", pb.nheads,
-                ") must be a multiple of nheads_k (", pb.nheads_k, ")");
+    FA_CHECK(k.size(-1) == pb.headdim, "flash_attn: q and k head dims differ");
+    FA_CHECK(pb.headdim % 8 == 0 && pb.headdim > 0 && pb.headdim <= 256,
+             "flash_attn: head dim must be a multiple of 8 in [8, 256], got ", pb.headdim);
+    FA_CHECK(pb.nheads > 0 && pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
+             "flash_attn: nheads (", pb.nheads, ") must be a multiple of nheads_k (", pb.nheads_k,
+             ")");
     if (pb.varlen) {
         pb.batch = cu_seqlens_q->numel() - 1;
         check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", pb.batch, q);
         check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", pb.batch, q);
-        TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_attn: max_seqlen must be >= 0");
+        FA_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_attn: max_seqlen must be >= 0");
         pb.total_q = q.size(0);
         pb.total_k = k.size(0);
         // No sequence is longer than its tensor; the kernels clamp each one to max_seqlen.
         pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
         pb.seqlen_k = std::min(max_seqlen_k, pb.total_k);
     } else {
-        TORCH_CHECK(!cu_seqlens_k.has_value(),
-                    "flash_attn: cu_seqlens_k given without cu_seqlens_q");
+        FA_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
         pb.batch = q.size(0);
         pb.seqlen_q = q.size(1);
         pb.seqlen_k = k.size(1);
-        TORCH_CHECK(k.size(0) == pb.batch, "flash_attn: q and k batch sizes differ");
+        FA_CHECK(k.size(0) == pb.batch, "flash_attn: q and k batch sizes differ");
         pb.total_q = pb.batch * pb.seqlen_q;
         pb.total_k = pb.batch * pb.seqlen_k;
     }
-    TORCH_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31),
-                "flash_attn: more than 2^31 rows are not supported");
+    FA_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31),
+             "flash_attn: more than 2^31 rows are not supported");
     return pb;
 }
 
@@ -173,12 +215,12 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
                 const std::optional<at::Tensor>& cu_seqlens_q,
                 const std::optional<at::Tensor>& cu_seqlens_k, double softmax_scale, bool causal,
                 int64_t window_left, int64_t window_right, double softcap) {
-    TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
-                "flash_attn: softmax_scale must be finite and > 0, got ", softmax_scale);
-    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "flash_attn: softcap must be >= 0, got ",
-                softcap);
-    TORCH_CHECK(window_left >= -1 && window_right >= -1,
-                "flash_attn: window_size entries must be >= -1");
+    FA_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+             "flash_attn: softmax_scale must be finite and > 0, got ", softmax_scale);
+    FA_CHECK(std::isfinite(softcap) && softcap >= 0, "flash_attn: softcap must be >= 0, got ",
+             softcap);
+    FA_CHECK(window_left >= -1 && window_right >= -1,
+             "flash_attn: window_size entries must be >= -1");
     s.batch = pb.batch;
     s.nheads = pb.nheads;
     s.nheads_k = pb.nheads_k;
@@ -211,14 +253,14 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
 // covers at least 64 rows, so this bound holds for each launch.
 void check_grid(const Problem& pb) {
     const int64_t blocks = (std::max(pb.seqlen_q, pb.seqlen_k) + 63) / 64 * pb.batch * pb.nheads;
-    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "flash_attn: ", blocks,
-                " thread blocks (batch x nheads x ceil(max seqlen / 64)) exceed the grid limit "
-                "2^31 - 1; split the batch into several calls");
+    FA_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "flash_attn: ", blocks,
+             " thread blocks (batch x nheads x ceil(max seqlen / 64)) exceed the grid limit "
+             "2^31 - 1; split the batch into several calls");
 }
 
 void check_launch() {
     const cudaError_t err = cudaGetLastError();
-    TORCH_CHECK(err == cudaSuccess, "flash_attn: kernel launch failed: ", cudaGetErrorString(err));
+    FA_CHECK(err == cudaSuccess, "flash_attn: kernel launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
@@ -240,10 +282,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (out_.has_value()) {
         out = *out_;
         check_cuda_tensor(out, "out", q);
-        TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape ", q.sizes());
-        TORCH_CHECK(out.stride(-1) == 1, "flash_attn: out must have a contiguous last dim");
-        TORCH_CHECK(is_kernel_ready(out),
-                    "flash_attn: out must be 16-byte aligned with strides that are multiples of 8");
+        FA_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape ", q.sizes());
+        FA_CHECK(out.stride(-1) == 1, "flash_attn: out must have a contiguous last dim");
+        FA_CHECK(is_kernel_ready(out),
+                 "flash_attn: out must be 16-byte aligned with strides that are multiples of 8");
     } else {
         out = at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
     }
@@ -268,11 +310,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
                softcap);
     if (seqused_k.has_value()) {
-        TORCH_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
-                        seqused_k->is_contiguous() && seqused_k->numel() == pb.batch &&
-                        seqused_k->device() == q.device(),
-                    "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on "
-                    "q's device");
+        FA_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
+                     seqused_k->is_contiguous() && seqused_k->numel() == pb.batch &&
+                     seqused_k->device() == q.device(),
+                 "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on "
+                 "q's device");
         p.seqused_k = seqused_k->data_ptr<int>();
     }
     p.q = q.data_ptr();
@@ -312,16 +354,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);
     check_cuda_tensor(out_in, "out", q_in);
-    TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
-                "flash_attn: dout and out must have q's shape");
-    TORCH_CHECK(
+    FA_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+             "flash_attn: dout and out must have q's shape");
+    FA_CHECK(
         lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.device() == q_in.device(),
         "flash_attn: softmax_lse must be a contiguous float32 tensor on q's device");
     const std::vector<int64_t> lse_shape =
         pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
                   : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
-    TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flash_attn: softmax_lse has shape ",
-                lse.sizes(), ", expected ", at::IntArrayRef(lse_shape));
+    FA_CHECK(lse.sizes() == at::IntArrayRef(lse_shape), "flash_attn: softmax_lse has shape ",
+             lse.sizes(), ", expected ", at::IntArrayRef(lse_shape));
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
@@ -334,10 +376,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     };
     auto given = [&](std::optional<at::Tensor>& t, const at::Tensor& like, const char* name) {
         check_cuda_tensor(*t, name, q);
-        TORCH_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ",
-                    like.sizes());
-        TORCH_CHECK(is_kernel_ready(*t), "flash_attn: ", name,
-                    " must be 16-byte aligned with strides that are multiples of 8");
+        FA_CHECK(t->sizes() == like.sizes(), "flash_attn: ", name, " must have shape ",
+                 like.sizes());
+        FA_CHECK(is_kernel_ready(*t), "flash_attn: ", name,
+                 " must be 16-byte aligned with strides that are multiples of 8");
         if (pb.varlen) t->zero_();
         return *t;
     };

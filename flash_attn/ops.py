@@ -65,9 +65,8 @@ _BUILT_KERNELS = None
 def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.device) -> None:
     """Raise NotImplementedError naming the build flags when this build has no kernel for the
     call. Mirrors the binding's dispatch (SM90 kernels on compute capability 9.0 unless
-    FLASH_ATTN_FORCE_SM80=1, else SM80). The binding checks too, but in a subset build its
-    check crashes the process on the H100 (open: the raise from its kernel lookup segfaults,
-    while its other raises work), so every entry point calls this first.
+    FLASH_ATTN_FORCE_SM80=1, else SM80). The binding raises the same error; every entry point
+    calls this first so that the error comes before any output is allocated.
 
     Arguments:
         kind: "fwd" or "bwd".

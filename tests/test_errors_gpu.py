@@ -291,7 +291,7 @@ def test_bad_cu_seqlens_without_checks_do_not_crash_cuda():
     assert_cuda_usable()
 
 
-# Errors raised by the C++ binding itself (its TORCH_CHECKs), reached by calling the extension
+# Errors raised by the C++ binding itself (its FA_CHECKs), reached by calling the extension
 # directly, past the Python validation. Run in a subprocess: if the error path crashed the
 # process, the test fails instead of taking the suite down. Each case prints its outcome.
 _BINDING_ERRORS_SCRIPT = textwrap.dedent('''
@@ -312,7 +312,14 @@ _BINDING_ERRORS_SCRIPT = textwrap.dedent('''
     v_bad = torch.randn(2, 63, 4, 64, dtype=torch.bfloat16, device="cuda")
     args = (None, None, None, None, 64, 64, 0.125, False, -1, -1, 0.0)
     case("k_v_shapes_differ", lambda: ext.fwd(q, k, v_bad, *args))
+    # Messages that format a number, a dtype and a shape (these once crashed, see str_of).
+    q12 = torch.randn(2, 64, 4, 12, dtype=torch.bfloat16, device="cuda")
+    case("head_dim_not_multiple_of_8", lambda: ext.fwd(q12, q12, q12, *args))
+    case("k_dtype_differs", lambda: ext.fwd(q, k.half(), k, *args))
     built = {(e["kind"], e["dtype"], e["headdim"]) for e in ext.build_info()["kernels"]}
+    if ("fwd", "bf16", 64) in built:
+        out_bad = torch.empty(2, 64, 4, 32, dtype=torch.bfloat16, device="cuda")
+        case("out_wrong_shape", lambda: ext.fwd(q, k, k, out_bad, *args[1:]))
     missing = [(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128, 160, 192, 224, 256)
                if ("fwd", dt, d) not in built]
     if missing:
@@ -326,11 +333,17 @@ _BINDING_ERRORS_SCRIPT = textwrap.dedent('''
 
 
 def test_binding_errors_raise_and_do_not_crash():
-    """TORCH_CHECK failures in the binding (inconsistent shapes; in a subset build, a kernel that
-    was not compiled) raise Python exceptions; the process survives and CUDA stays usable."""
+    """Check failures in the binding (inconsistent shapes, messages with numbers; in a subset
+    build, a kernel that was not compiled) raise Python exceptions; the process survives and CUDA
+    stays usable."""
     proc, results, log = _run_script(_BINDING_ERRORS_SCRIPT)
     assert proc.returncode == 0 and "DONE" in proc.stdout, f"the process died:\n{log}"
     assert results["k_v_shapes_differ"].startswith("RuntimeError"), log
+    assert results["head_dim_not_multiple_of_8"].startswith("RuntimeError"), log
+    assert "multiple of 8 in [8, 256], got 12" in results["head_dim_not_multiple_of_8"], log
+    assert "k has dtype Half, q has BFloat16" in results["k_dtype_differs"], log
+    if "out_wrong_shape" in results:
+        assert "out must have q's shape [2, 64, 4, 64]" in results["out_wrong_shape"], log
     if "kernel_not_built" in results:
         assert results["kernel_not_built"].startswith("NotImplementedError"), log
         assert "FLASH_ATTN_HEADDIMS" in results["kernel_not_built"], log
