@@ -147,6 +147,9 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
     dtypes = parse_dtypes(env.get("FLASH_ATTN_DTYPES"))
     backward = not env_flag("FLASH_ATTN_DISABLE_BACKWARD", env)
     cxx_std = (env.get("FLASH_ATTN_CXX_STD") or "17").strip()
+    # Template statics bound per build instead of process-wide (GNU unique symbols), so that
+    # benchmarks/ab_builds.py can load several builds into one process. Not for installs.
+    ab_build = env_flag("FLASH_ATTN_AB_BUILD", env)
     directions = ["fwd", "bwd"] if backward else ["fwd"]
     with_sm90 = SM90_ARCH in archs
 
@@ -181,8 +184,10 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
         # The binding includes torch's headers, so it takes the C++ standard torch's
         # cpp_extension passes (C++20 for current torch; C++17 there miscompiles c10 headers)
         # unless FLASH_ATTN_CXX_STD names one. The kernels include no torch header.
-        "cxx_flags": ["-O3"] + ([f"-std=c++{cxx_std}"] if env.get("FLASH_ATTN_CXX_STD") else []),
-        "nvcc_flags": nvcc_base_flags(cxx_std),
+        "cxx_flags": ["-O3"]
+        + ([f"-std=c++{cxx_std}"] if env.get("FLASH_ATTN_CXX_STD") else [])
+        + (["-fno-gnu-unique"] if ab_build else []),
+        "nvcc_flags": nvcc_base_flags(cxx_std) + (["-Xcompiler=-fno-gnu-unique"] if ab_build else []),
         "sm80_gencode": sm80_gencode(archs),
         "sm90_gencode": sm90_gencode(),
     }

@@ -1,0 +1,86 @@
+"""A/B of several builds of the extension in one process: forward TFLOP/s, timed interleaved.
+
+Separate processes run minutes apart and the H100's clocks drift between them (the same build
+measured 3% apart in two calls); timing the builds in turns inside one process, over several
+rounds, leaves that drift out of the comparison. Each build must come from its own copy of the
+tree, compiled with FLASH_ATTN_AB_BUILD=1: otherwise the builds share one kernel registry (GNU
+unique symbols bind it process-wide) and every "variant" runs the first build's kernels.
+
+    FLASH_ATTN_AB_BUILD=1 FLASH_ATTN_HEADDIMS=128 FLASH_ATTN_DTYPES=bf16 \\
+        FLASH_ATTN_DISABLE_BACKWARD=1 python setup.py build_ext --inplace   # in each copy
+    python benchmarks/ab_builds.py base=/tmp/a/flash_attn/_C.so new=/tmp/b/flash_attn/_C.so \\
+        --hdims 128 --seqlens 512,2048,8192 --causal both
+
+Shapes follow the benchmark grid (16k tokens, hidden 2048). Prints a markdown table: the median
+TFLOP/s of each build over the rounds and each build's ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+from types import ModuleType
+
+import torch
+
+
+def load_build(name: str, path: str) -> ModuleType:
+    """Load one build's `_C` extension module from `path` under a name of its own."""
+    loader = importlib.machinery.ExtensionFileLoader(f"ab_{name}._C", path)
+    spec = importlib.util.spec_from_loader(f"ab_{name}._C", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("builds", nargs="+", metavar="NAME=PATH", help="a build's _C*.so")
+    p.add_argument("--hdims", default="64,128,256")
+    p.add_argument("--seqlens", default="512,2048,8192")
+    p.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from triton.testing import do_bench  # on the GPU machine only
+
+    builds = {}
+    for spec in args.builds:
+        name, path = spec.split("=", 1)
+        builds[name] = load_build(name, path)
+    names = list(builds)
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+
+    print("| hdim | seqlen | causal | " + " | ".join(names) + " | "
+          + " | ".join(f"{n}/{names[0]}" for n in names[1:]) + " |")
+    print("|---" * (3 + 2 * len(names) - 1) + "|")
+    for d in (int(x) for x in args.hdims.split(",")):
+        for s in (int(x) for x in args.seqlens.split(",")):
+            batch, heads = 16384 // s, 2048 // d
+            q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
+                       for _ in range(3))
+            for causal in causals:
+                flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
+                tflops: dict[str, list[float]] = {n: [] for n in names}
+                for _ in range(args.rounds):
+                    for n, ext in builds.items():
+                        def fwd(ext=ext, causal=causal):
+                            return ext.fwd(q, k, v, None, None, None, None, s, s, d ** -0.5,
+                                           causal, -1, -1, 0.0)
+                        ms = do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                        tflops[n].append(flops / ms / 1e9)
+                med = {n: statistics.median(x) for n, x in tflops.items()}
+                print(f"| {d} | {s} | {'yes' if causal else 'no'} | "
+                      + " | ".join(f"{med[n]:.0f}" for n in names) + " | "
+                      + " | ".join(f"{med[n] / med[names[0]]:.3f}" for n in names[1:]) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
