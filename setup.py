@@ -147,8 +147,9 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
     dtypes = parse_dtypes(env.get("FLASH_ATTN_DTYPES"))
     backward = not env_flag("FLASH_ATTN_DISABLE_BACKWARD", env)
     cxx_std = (env.get("FLASH_ATTN_CXX_STD") or "17").strip()
-    # Template statics bound per build instead of process-wide (GNU unique symbols), so that
-    # benchmarks/ab_builds.py can load several builds into one process. Not for installs.
+    # Statics of inline functions and templates bound per build instead of process-wide (GNU
+    # unique symbols), so that benchmarks/ab_builds.py can load several builds into one
+    # process. GCC only; not for installs.
     ab_build = env_flag("FLASH_ATTN_AB_BUILD", env)
     directions = ["fwd", "bwd"] if backward else ["fwd"]
     with_sm90 = SM90_ARCH in archs
@@ -187,7 +188,8 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
         "cxx_flags": ["-O3"]
         + ([f"-std=c++{cxx_std}"] if env.get("FLASH_ATTN_CXX_STD") else [])
         + (["-fno-gnu-unique"] if ab_build else []),
-        "nvcc_flags": nvcc_base_flags(cxx_std) + (["-Xcompiler=-fno-gnu-unique"] if ab_build else []),
+        "nvcc_flags": nvcc_base_flags(cxx_std)
+        + (["-Xcompiler=-fno-gnu-unique"] if ab_build else []),
         "sm80_gencode": sm80_gencode(archs),
         "sm90_gencode": sm90_gencode(),
     }

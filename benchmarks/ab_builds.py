@@ -8,7 +8,8 @@ unique symbols bind it process-wide) and every "variant" runs the first build's 
 
     FLASH_ATTN_AB_BUILD=1 FLASH_ATTN_HEADDIMS=128 FLASH_ATTN_DTYPES=bf16 \\
         FLASH_ATTN_DISABLE_BACKWARD=1 python setup.py build_ext --inplace   # in each copy
-    python benchmarks/ab_builds.py base=/tmp/a/flash_attn/_C.so new=/tmp/b/flash_attn/_C.so \\
+    python benchmarks/ab_builds.py base=/tmp/a/flash_attn/_C.cpython-312-x86_64-linux-gnu.so \\
+        new=/tmp/b/flash_attn/_C.cpython-312-x86_64-linux-gnu.so \\
         --hdims 128 --seqlens 512,2048,8192 --causal both
 
 Shapes follow the benchmark grid (16k tokens, hidden 2048). Prints a markdown table: the median
@@ -19,10 +20,24 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import shutil
 import statistics
+import subprocess
 from types import ModuleType
 
 import torch
+
+
+def has_unique_symbols(path: str) -> bool:
+    """Whether the shared object exports GNU unique symbols of our own code, such as the
+    kernel registry (built without FLASH_ATTN_AB_BUILD=1). A statically linked libstdc++ brings
+    unique symbols of its own, which do not matter. Without readelf it cannot tell and says no.
+    """
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return False
+    out = subprocess.run([readelf, "-W", "--dyn-syms", path], capture_output=True, text=True)
+    return any(" UNIQUE " in line and "flash" in line for line in out.stdout.splitlines())
 
 
 def load_build(name: str, path: str) -> ModuleType:
@@ -36,7 +51,7 @@ def load_build(name: str, path: str) -> ModuleType:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("builds", nargs="+", metavar="NAME=PATH", help="a build's _C*.so")
+    p.add_argument("builds", nargs="+", metavar="NAME=PATH", help="a build's _C*.so (two or more)")
     p.add_argument("--hdims", default="64,128,256")
     p.add_argument("--seqlens", default="512,2048,8192")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
@@ -51,7 +66,12 @@ def main(argv: list[str] | None = None) -> None:
 
     builds = {}
     for spec in args.builds:
-        name, path = spec.split("=", 1)
+        name, sep, path = spec.partition("=")
+        if not sep or not name or name in builds:
+            raise SystemExit(f"ab_builds: {spec!r}: expected NAME=PATH with a name not used before")
+        if len(args.builds) > 1 and has_unique_symbols(path):
+            raise SystemExit(f"ab_builds: {path} has GNU unique symbols: rebuild it with "
+                             "FLASH_ATTN_AB_BUILD=1, else every build runs the first one's kernels")
         builds[name] = load_build(name, path)
     names = list(builds)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16

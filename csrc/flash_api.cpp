@@ -27,7 +27,6 @@ using flash::Kind;
 // so this module carries a second copy of the stream/locale code next to torch's, and formatting
 // a number through a stream here crashed the process instead of raising.
 void append(std::string& s, const char* v) { s += v; }
-void append(std::string& s, const std::string& v) { s += v; }
 void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
 void append(std::string& s, const c10::Device& d) { s += d.str(); }
 

@@ -35,6 +35,7 @@ struct Sm90FwdEpilogue {
         Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
         Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
         static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
+        static_assert(decltype(size<0>(o_rc))::value == kRows);
 
         // Column offsets within the thread's fragment are compile-time constants: each store
         // is one immediate offset from the row's pointer.
@@ -50,7 +51,8 @@ struct Sm90FwdEpilogue {
             if (row >= g.rows) continue;
             T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
             // Columns 2j and 2j + 1 of the view are neighbours in the row (the accumulator's
-            // innermost mode), and the row stride is a multiple of 8: 4-byte aligned stores.
+            // innermost mode); the base is 16-byte aligned and every stride a multiple of 8
+            // elements (the binding's is_kernel_ready): 4-byte aligned stores.
             CUTE_UNROLL
             for (int c = 0; c < size<1>(o_rc); c += 2) {
                 const int col = get<1>(offsets(0, c));

@@ -17,7 +17,7 @@ enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, 
 // uses named barriers, so the ids are ours from 1.
 enum class NamedBarrier : int {
     kQueryEmpty = 1,   // consumers are done with the Q tile: the producer may load the next Q
-    kConsumers = 2,    // all consumer threads (epilogue staging through shared memory)
+    kConsumers = 2,    // all consumer threads (clearing a V tail before its PV GEMM)
     kTurnConsumer0 = 3,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
     kTurnConsumer1 = 4,
     kTurnConsumer2 = 5,

@@ -320,6 +320,8 @@ _BINDING_ERRORS_SCRIPT = textwrap.dedent('''
     if ("fwd", "bf16", 64) in built:
         out_bad = torch.empty(2, 64, 4, 32, dtype=torch.bfloat16, device="cuda")
         case("out_wrong_shape", lambda: ext.fwd(q, k, k, out_bad, *args[1:]))
+        bad_scale = args[:6] + (-1.5,) + args[7:]
+        case("negative_scale", lambda: ext.fwd(q, k, k, *bad_scale))
     missing = [(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128, 160, 192, 224, 256)
                if ("fwd", dt, d) not in built]
     if missing:
@@ -341,9 +343,11 @@ def test_binding_errors_raise_and_do_not_crash():
     assert results["k_v_shapes_differ"].startswith("RuntimeError"), log
     assert results["head_dim_not_multiple_of_8"].startswith("RuntimeError"), log
     assert "multiple of 8 in [8, 256], got 12" in results["head_dim_not_multiple_of_8"], log
+    assert results["k_dtype_differs"].startswith("RuntimeError"), log
     assert "k has dtype Half, q has BFloat16" in results["k_dtype_differs"], log
     if "out_wrong_shape" in results:
         assert "out must have q's shape [2, 64, 4, 64]" in results["out_wrong_shape"], log
+        assert "softmax_scale must be finite and > 0, got -1.5" in results["negative_scale"], log
     if "kernel_not_built" in results:
         assert results["kernel_not_built"].startswith("NotImplementedError"), log
         assert "FLASH_ATTN_HEADDIMS" in results["kernel_not_built"], log
