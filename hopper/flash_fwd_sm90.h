@@ -205,9 +205,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // Once per device: the shared-memory opt-in and how many CTAs (clusters) fit at once. A
     // failure surfaces as the launch error the binding checks.
     static std::atomic<int> resident[64] = {};
-    const bool cached = device < 64 && resident[device].load(std::memory_order_relaxed) > 0;
-    int clusters = cached ? resident[device].load(std::memory_order_relaxed) : 0;
-    if (!cached) {
+    int clusters = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
+    if (clusters == 0) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Traits::kSmemBytes);
         int num_sms = 0;
@@ -223,9 +222,10 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
                 clusters = std::min(clusters, fit);
             }
         }
-        if (device < 64) resident[device].store(std::max(clusters, 1), std::memory_order_relaxed);
+        clusters = std::max(clusters, 1);
+        if (device < 64) resident[device].store(clusters, std::memory_order_relaxed);
     }
-    const int units = std::min(Traits::Scheduler::num_units(sched), std::max(clusters, 1));
+    const int units = std::min(Traits::Scheduler::num_units(sched), clusters);
     config.gridDim = dim3(kCluster * std::max(units, 1));
     if constexpr (Traits::kBand) cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
     cudaLaunchKernelEx(&config, kernel, args);
