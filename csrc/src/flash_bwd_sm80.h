@@ -234,7 +234,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     const bool softcap = p.softcap > 0.f;
     constexpr float kLog2e = 1.4426950408889634f;
-    for (int m = m_first; m < m_last; ++m) {
+    // One query tile. The general variant (mask or softcap) is a separate instantiation: folded
+    // into one body, the compiler predicates the mask and tanh code instead of branching over
+    // it, and every tile pays its issue slots (ncu: a third of the loop's instructions).
+    auto step = [&](int m, auto general) {
+        constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
         const int rows_left = seq.seqlen_q - row0;
 
@@ -266,8 +270,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_sdp.partition_fragment_B(sV);
             gemm_smem(mma_sdp, acc_dp, rA, rB, sdO_a, sV_b, ldsm_sdp_a, ldsm_sdp_b);
         }
-        if (softcap) apply_softcap(acc_s, p.softcap_prescale);
-        if (mask.tile_needs_mask(row0, kBlockM, col0, kBlockN)) {
+        if constexpr (kGeneral) {
+            if (softcap) apply_softcap(acc_s, p.softcap_prescale);
             apply_mask(s_rc, cS_rc, mask, row0, col0);
         }
         // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap.
@@ -277,9 +281,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             for (int c = 0; c < size<1>(s_rc); ++c) {
                 const float t = s_rc(r, c);
                 const float prob = exp2f(t * p.scale_log2 - lse_log2[r]);
-                const float dtanh = softcap ? fmaxf(1.f - t * t, 0.f) : 1.f;
                 s_rc(r, c) = prob;
-                dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]) * dtanh;
+                dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]);
+                if constexpr (kGeneral) {
+                    if (softcap) dp_rc(r, c) *= fmaxf(1.f - t * t, 0.f);
+                }
             }
         }
         copy(store_sdp, sdp_thr.retile_S(convert_fragment<T>(acc_s)), tPsP);
@@ -317,6 +323,14 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         Tensor tdQg = thr_q.partition_C(gdQacc);
         atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
                             rows_left >= kBlockM && p.headdim == kHeadDim);
+    };
+
+    for (int m = m_first; m < m_last; ++m) {
+        if (softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
+            step(m, cute::true_type{});
+        } else {
+            step(m, cute::false_type{});
+        }
     }
 
     // Epilogue: dK (times the softmax scale, the d score / d x factor) and dV through shared

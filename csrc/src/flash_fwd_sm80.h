@@ -129,9 +129,11 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     OnlineSoftmax<kRows> softmax;
 
-    // One key tile; the masked variant is a separate instantiation so the per-element mask code
-    // never adds register pressure to the unmasked tiles.
-    auto step = [&](int n, auto masked) {
+    const bool softcap = p.softcap > 0.f;
+    // One key tile. The general variant (mask or softcap) is a separate instantiation, so the
+    // per-element mask and tanh code neither adds register pressure to the plain tiles nor
+    // spends their issue slots as predicated-off instructions.
+    auto step = [&](int n, auto general) {
         Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
         clear(acc_s);
         cp_async_wait<0>();
@@ -142,8 +144,10 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
         gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
         Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
-        if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
-        if constexpr (decltype(masked)::value) apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
+        if constexpr (decltype(general)::value) {
+            if (softcap) apply_softcap(acc_s, p.softcap_prescale);
+            apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
+        }
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
@@ -161,7 +165,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     // Key tiles run from the last to the first so the masked diagonal tiles come first.
     for (int n = n_last - 1; n >= n_first; --n) {
-        if (mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
+        if (softcap || mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
             step(n, cute::true_type{});
         } else {
             step(n, cute::false_type{});
