@@ -1,4 +1,5 @@
-"""A/B of several builds of the extension in one process: forward TFLOP/s, timed interleaved.
+"""A/B of several builds of the extension in one process: forward or backward TFLOP/s, timed
+interleaved.
 
 Separate processes run minutes apart and the H100's clocks drift between them (the same build
 measured 3% apart in two calls); timing the builds in turns inside one process, over several
@@ -13,7 +14,10 @@ unique symbols bind it process-wide) and every "variant" runs the first build's 
         --hdims 128 --seqlens 512,2048,8192 --causal both
 
 Shapes follow the benchmark grid (16k tokens, hidden 2048). Prints a markdown table: the median
-TFLOP/s of each build over the rounds and each build's ratio to the first.
+TFLOP/s of each build over the rounds and each build's ratio to the first. `--pass bwd` times
+the backward binding alone (its input: each build's own forward output and lse), FLOPs as in
+benchmark_attn.py (2.5 x forward). FLASH_ATTN_FORCE_SM80=1 makes every build run its SM80
+forward.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -57,7 +62,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
+    p.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="fwd")
     return p.parse_args(argv)
+
+
+def make_call(ext: ModuleType, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool) -> Callable[[], object]:
+    """The timed call: the forward binding, or the backward binding on this build's own
+    forward output. q, k, v: (batch, seqlen, nheads, headdim)."""
+    s, d = q.shape[1], q.shape[-1]
+
+    def fwd() -> list[torch.Tensor]:
+        return ext.fwd(q, k, v, None, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0)
+
+    if which == "fwd":
+        return fwd
+    out, lse = fwd()[:2]
+    dout = torch.randn_like(out)
+
+    def bwd() -> list[torch.Tensor]:
+        return ext.bwd(dout, q, k, v, out, lse, None, None, None, None, None, s, s, d ** -0.5,
+                       causal, -1, -1, 0.0, False)
+
+    return bwd
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,13 +114,14 @@ def main(argv: list[str] | None = None) -> None:
                        for _ in range(3))
             for causal in causals:
                 flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
+                if args.which == "bwd":
+                    flops *= 2.5
+                calls = {n: make_call(ext, args.which, q, k, v, causal)
+                         for n, ext in builds.items()}
                 tflops: dict[str, list[float]] = {n: [] for n in names}
                 for _ in range(args.rounds):
-                    for n, ext in builds.items():
-                        def fwd(ext=ext, causal=causal):
-                            return ext.fwd(q, k, v, None, None, None, None, s, s, d ** -0.5,
-                                           causal, -1, -1, 0.0)
-                        ms = do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                    for n, call in calls.items():
+                        ms = do_bench(call, warmup=25, rep=100, return_mode="median")
                         tflops[n].append(flops / ms / 1e9)
                 med = {n: statistics.median(x) for n, x in tflops.items()}
                 print(f"| {d} | {s} | {'yes' if causal else 'no'} | "

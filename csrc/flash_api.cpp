@@ -401,7 +401,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
 
     const int tier = flash::headdim_tier(pb.headdim);
     const auto f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq_accum = at::zeros({pb.total_q, pb.nheads, tier}, f32);
+    // dq_accum follows lse's row order, a row of `tier` floats each: a query tile's rows are
+    // contiguous, so the kernel addresses them from one pointer with constant offsets.
+    std::vector<int64_t> dq_accum_shape = lse.sizes().vec();
+    dq_accum_shape.push_back(tier);
+    at::Tensor dq_accum = at::zeros(dq_accum_shape, f32);
     at::Tensor softmax_d = at::empty_like(lse);
 
     flash::BwdParams p;

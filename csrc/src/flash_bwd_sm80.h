@@ -92,7 +92,7 @@ __global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
 template <class T, int kHeadDim>
 __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     for_each_row(p, [&](const SeqInfo& seq, int bidb, int bidh, int row, int lane) {
-        const float* acc = p.dq_accum + ((seq.row_q + row) * p.nheads + bidh) * index_t(kHeadDim);
+        const float* acc = p.dq_accum + (seq.lse_offset(p, bidb, bidh) + row) * kHeadDim;
         T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
         for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
             const float4 a = *reinterpret_cast<const float4*>(acc + c);
@@ -141,8 +141,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     T* dv_ptr = static_cast<T*>(p.dv) + seq.k_offset(p.dv_stride, p, bidb, col0, bidh);
     const float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh);
     const float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
-    const index_t dq_row_stride = index_t(p.nheads) * kHeadDim;
-    float* dq_acc_ptr = p.dq_accum + seq.row_q * dq_row_stride + index_t(bidh) * kHeadDim;
+    float* dq_acc_ptr = p.dq_accum + seq.lse_offset(p, bidb, bidh) * kHeadDim;
 
     // (BM, D, m_blocks) views of Q and dO; (BN, D) tiles of K, V, dK, dV.
     Tensor gQ = local_tile(make_tensor(make_gmem_ptr(q_ptr), make_shape(m_last * kBlockM, D{}),
@@ -318,8 +317,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_q.partition_fragment_B(sKt);
             gemm_smem(mma_q, acc_dq, rA, rB, sdS_a, sKt_b, ldsm_q_a, ldsm_q_b);
         }
-        Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + row0 * dq_row_stride),
-                                    Shape<BM, D>{}, make_stride(dq_row_stride, _1{}));
+        // Rows kHeadDim floats apart: every address is one pointer plus a constant.
+        Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + index_t(row0) * kHeadDim), Shape<BM, D>{},
+                                    Stride<D, _1>{});
         Tensor tdQg = thr_q.partition_C(gdQacc);
         atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
                             rows_left >= kBlockM && p.headdim == kHeadDim);

@@ -30,11 +30,14 @@ struct Sm80BwdTile {
 
 // Backward: one CTA owns a K/V block and keeps dK, dV accumulators; 8 warps split them.
 // block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
-// shared memory at block_n = 128, so it drops to 64. Measured (benchmarks/NOTES.md): at d=64 a
-// 64-row Q tile beats 128 rows by 15% and block_n = 64 loses 20%.
+// shared memory at block_n = 128, so it drops to 64. The GEMMs are bound by shared-memory
+// reads (ldmatrix): at d <= 64 a 128-row Q tile gives each warp a larger, squarer share of
+// every GEMM, 16% fewer bytes per FLOP than 64 rows; at d=128 the accumulators leave no
+// registers for it. Measured: benchmarks/NOTES.md (SM80 items 8, 9).
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    return d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB at d=128
-                    : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
+    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}                    // 128 KiB
+           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB
+                      : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
 }
 
 struct Sm90FwdTile {
