@@ -8,16 +8,16 @@ struct Sm80FwdTile {
     int block_m, block_n, warps;
 };
 
-// Forward: 4 warps own 16-row slices of a 128-row Q tile (two MMA rows each) while K/V stream
-// through shared memory, until the O accumulator (block_m x d / threads floats) crowds the
-// register file; past d=128 8 warps keep it at <= 128 floats per thread.
+// Forward: 4 warps own 32-row slices of a 128-row Q tile while K/V stream through shared
+// memory, until the O accumulator (block_m x d / threads floats) crowds the register file;
+// past d=128 8 warps keep it at <= 128 floats per thread. Taller warp slices read fewer
+// ldmatrix bytes per FLOP (the K and V fragments serve 32 rows, not 16).
 constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    // Measured on the device (benchmarks/NOTES.md): block_n = 128 at d=64 spills the S tile
-    // (128 floats per thread); at d=128 a 64-row tile ties 128 rows without masks and wins
-    // causal (finer bottom-first scheduling); 8 warps on a 128-row tile lose at d <= 128.
-    return d <= 64    ? Sm80FwdTile{128, 64, 4}   // S 64 + O 64 floats per thread
-           : d <= 128 ? Sm80FwdTile{64, 128, 4}   // S 64 + O <= 64 floats per thread
-                      : Sm80FwdTile{128, 64, 8};  // O stays at <= 128 floats per thread
+    // Measured on the device (benchmarks/NOTES.md, SM80 items 8 and 10): block_n = 128 at d=64
+    // spills the S tile (128 floats per thread); at d=128 a 128x64 tile beats 64x128 by 4-8%
+    // without a mask and is within 2.5% causal; 8 warps on a 128-row tile lose at d <= 128.
+    return d <= 128 ? Sm80FwdTile{128, 64, 4}   // S 64 + O <= 128 floats per thread
+                    : Sm80FwdTile{128, 64, 8};  // O stays at <= 128 floats per thread
 }
 
 struct Sm80BwdTile {
