@@ -13,7 +13,7 @@ struct Sm80FwdTile {
 // past d=128 8 warps keep it at <= 128 floats per thread. Taller warp slices read fewer
 // ldmatrix bytes per FLOP (the K and V fragments serve 32 rows, not 16).
 constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    // Measured on the device (benchmarks/NOTES.md, SM80 items 8 and 10): block_n = 128 at d=64
+    // Measured on the device (benchmarks/NOTES.md, SM80 items 8 and 12): block_n = 128 at d=64
     // spills the S tile (128 floats per thread); at d=128 a 128x64 tile beats 64x128 by 4-8%
     // without a mask and is within 2.5% causal; 8 warps on a 128-row tile lose at d <= 128.
     return d <= 128 ? Sm80FwdTile{128, 64, 4}   // S 64 + O <= 128 floats per thread
@@ -32,10 +32,10 @@ struct Sm80BwdTile {
 // block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
 // shared memory at block_n = 128, so it drops to 64. The GEMMs are bound by shared-memory
 // reads (ldmatrix): at d <= 64 a 128-row Q tile gives each warp a larger, squarer share of
-// every GEMM, 16% fewer bytes per FLOP than 64 rows; at d=128 the accumulators leave no
-// registers for it. Measured: benchmarks/NOTES.md (SM80 items 8, 9).
+// every GEMM (by count, 16% fewer bytes per FLOP than 64 rows); at d=128 the accumulators
+// leave no registers for it. Measured: benchmarks/NOTES.md (SM80 items 8, 10).
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}                    // 128 KiB
+    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}                   // 128 KiB
            : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB
                       : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
 }
