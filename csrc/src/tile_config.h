@@ -33,11 +33,15 @@ struct Sm80BwdTile {
 // shared memory at block_n = 128, so it drops to 64. The GEMMs are bound by shared-memory
 // reads (ldmatrix): at d <= 64 a 128-row Q tile gives each warp a larger, squarer share of
 // every GEMM (by count, 16% fewer bytes per FLOP than 64 rows); at d=128 the accumulators
-// leave no registers for it. Measured: benchmarks/NOTES.md (SM80 items 8, 10).
+// leave no registers for it. Past d=128 the dK/dV and dQ outputs (64 x d) are split 2 x 4
+// (32 x d/4 per warp) where d % 64 == 0, squarer than 4 x 2. Measured: benchmarks/NOTES.md
+// (SM80 items 8, 10, 14).
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}                   // 128 KiB
-           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, d % 64 == 0 ? 2 : 4}  // 128 KiB
-                      : Sm80BwdTile{64, 64, 8, 4, 4, 4};                    // 144 KiB at d=256
+    // A first-dimension split of 2 puts 16 * 8 / 2 = 64 columns in one MMA tile: d % 64 == 0.
+    const int w = d % 64 == 0 ? 2 : 4;
+    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}  // 128 KiB
+           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, w}   // 128 KiB
+                      : Sm80BwdTile{64, 64, 8, 4, w, w};   // 144 KiB at d=256
 }
 
 struct Sm90FwdTile {
