@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, no mask
-# with an even number of query tiles, and varlen with an empty sequence) on the kernels of the current build. Run from the repo root
-# on a GPU machine after building (e.g. `bash scripts/gpu_check.sh build`). Exit status is
-# non-zero if either tool reports an error.
+# with an even number of query tiles, and varlen with an empty sequence) on the kernels of the
+# current build. Run from the repo root on a GPU machine after building (e.g.
+# `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
