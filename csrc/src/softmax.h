@@ -86,7 +86,7 @@ struct OnlineSoftmax {
     __forceinline__ __device__ void update(S& s, O& o, float scale_log2) {
         float corr[kRows];
         update_scores(s, scale_log2, corr);
-        rescale(o, corr);
+        scale_rows(o, corr);
     }
 
     // The score half of update(): `corr` is the factor the running output must be scaled by.
@@ -104,8 +104,9 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             m_scaled[r] = m_new[r] == -INFINITY ? 0.f : m_new[r] * scale_log2;
-            // prev == -inf means nothing was accumulated yet: scale by 0, not by exp2(+big).
-            corr[r] = row_max[r] == -INFINITY ? 0.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
+            // Exactly 1 when the max did not move (the FFMA's residue would make it 1 - ulp and
+            // defeat rescale()'s skip); prev == -inf below a finite max gives exp2(-inf) = 0.
+            corr[r] = row_max[r] == m_new[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled[r]);
             row_max[r] = m_new[r];
             row_sum[r] *= corr[r];
         }
@@ -118,19 +119,26 @@ struct OnlineSoftmax {
         }
     }
 
-    // o *= corr, skipped when no row max of this thread moved (every factor is then exactly 1:
-    // exp2(0)), which is most key blocks once the max has settled.
+    // o *= corr, row by row.
     template <class O>
-    __forceinline__ __device__ static void rescale(O& o, float const (&corr)[kRows]) {
-        bool moved = false;
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) moved |= corr[r] != 1.f;
-        if (!moved) return;
+    __forceinline__ __device__ static void scale_rows(O& o, float const (&corr)[kRows]) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(o); ++c) o(r, c) *= corr[r];
         }
+    }
+
+    // scale_rows(), skipped when no row max of this thread moved, which is most key blocks once
+    // the max has settled. The SM90 key loop gains 0-2% from the skip (d=128/256, NOTES SM90
+    // item 23); the SM80 loop, which rescales right after the exps, lost 3% to the branch at
+    // d=128 and keeps update()'s unconditional scale.
+    template <class O>
+    __forceinline__ __device__ static void rescale(O& o, float const (&corr)[kRows]) {
+        bool moved = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) moved |= corr[r] != 1.f;
+        if (moved) scale_rows(o, corr);
     }
 
     // Normalises `o` and returns the natural-log LSE per row (+inf for rows that kept nothing).
