@@ -52,7 +52,7 @@ struct Sm90FwdEpilogue {
             if (row >= g.rows) continue;
             T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
             float* row_lse = lse_ptr + row;
-            if (p.pack_gqa > 1) {
+            if constexpr (Traits::kPackGQA) {
                 const int prow = g.row0 + row;
                 const int head = bidh * p.pack_gqa + prow % p.pack_gqa;
                 const int qrow = prow / p.pack_gqa;

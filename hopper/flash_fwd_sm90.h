@@ -253,9 +253,13 @@ template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
-    // Packed tiles run on the band kernel: its dynamic schedule takes any tile count.
-    p.pack_gqa = pack_gqa_factor(p, Band::kBlockM);
-    const bool band = p.window_left >= 0 || p.window_right >= 0 || p.pack_gqa > 1;
+    using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
+    if (p.pack_gqa > 1) {
+        launch_fwd_sm90<Packed>(p, stream);
+        return;
+    }
+    const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel's clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
     const int m_blocks = (p.seqlen_q + Plain::kBlockM - 1) / Plain::kBlockM;

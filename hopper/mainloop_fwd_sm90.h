@@ -44,13 +44,19 @@ struct Sm90FwdMainloop {
     using SharedStorage = typename Traits::SharedStorage;
     using PipeState = typename Traits::PipeState;
 
+    // Query heads per tile row group: 1 unless this is the packed instantiation.
+    static __device__ int pack_factor(FwdParams const& p) {
+        return Traits::kPackGQA ? p.pack_gqa : 1;
+    }
+
     static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
                                                 int m_block) {
+        const int pack = pack_factor(p);
         Sm90TileGeometry g;
         g.row0 = m_block * kBlockM;
-        g.rows = min(kBlockM, seq.seqlen_q * p.pack_gqa - g.row0);
-        g.q_row0 = g.row0 / p.pack_gqa;
-        g.q_span = (g.row0 + kBlockM - 1) / p.pack_gqa - g.q_row0 + 1;
+        g.rows = min(kBlockM, seq.seqlen_q * pack - g.row0);
+        g.q_row0 = g.row0 / pack;
+        g.q_span = (g.row0 + kBlockM - 1) / pack - g.q_row0 + 1;
         seq.mask(p).key_block_range(g.q_row0, g.q_span, kBlockN, g.n_first, g.n_last);
         return g;
     }
@@ -77,7 +83,7 @@ struct Sm90FwdMainloop {
         FwdParams const& p = a.p;
         const bool issuer = threadIdx.x % 32 == 0;
         // Packed tiles are scheduled per KV head.
-        const int bidh_k = p.pack_gqa > 1 ? bidh : bidh / (p.nheads / p.nheads_k);
+        const int bidh_k = Traits::kPackGQA ? bidh : bidh / (p.nheads / p.nheads_k);
         const bool varlen = p.is_varlen();
 
         Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
@@ -133,7 +139,7 @@ struct Sm90FwdMainloop {
 
         load_k(g.n_last - 1);
         wait_query_empty();
-        if (issuer && p.pack_gqa > 1) {
+        if (issuer && Traits::kPackGQA) {
             ss.q_full.arrive();  // the buffer is free: the consumers gather packed Q themselves
         } else if (issuer) {
             ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
@@ -224,7 +230,7 @@ struct Sm90FwdMainloop {
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
             if constexpr (decltype(may_mask)::value) {
                 if (mask.tile_needs_mask(g.q_row0, g.q_span, n * kBlockN, kBlockN)) {
-                    apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, p.pack_gqa);
+                    apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, pack_factor(p));
                 }
             }
             softmax.update_scores(s_rc, p.scale_log2, corr);
@@ -256,7 +262,7 @@ struct Sm90FwdMainloop {
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
         ss.q_full.wait(q_phase);
         q_phase ^= 1;
-        if (p.pack_gqa > 1) gather_packed_query(p, ss, seq, bidb, bidh, g);
+        if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
 
         // First block: S only.
         int n = g.n_last - 1;
