@@ -23,7 +23,8 @@ struct Sm90FwdEpilogue {
     using BM = typename Traits::BM;
     using D = typename Traits::D;
 
-    // Run by every consumer thread; `acc_o` and `lse` are this thread's rows.
+    // Run by every consumer thread; `acc_o` and `lse` are this thread's rows. With GQA packing
+    // `bidh` is the KV head and each packed row goes to its own query row and head.
     template <class AccO, int kRows>
     static __device__ void store(FwdParams const& p, SeqInfo const& seq, int bidb, int bidh,
                                  Sm90TileGeometry const& g, AccO const& acc_o,
@@ -50,6 +51,15 @@ struct Sm90FwdEpilogue {
             const int row = get<0>(base) + get<0>(offsets(r, 0));
             if (row >= g.rows) continue;
             T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
+            float* row_lse = lse_ptr + row;
+            if constexpr (Traits::kPackGQA) {
+                const int prow = g.row0 + row;
+                const int head = bidh * p.pack_gqa + prow % p.pack_gqa;
+                const int qrow = prow / p.pack_gqa;
+                row_ptr =
+                    static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, qrow, head) + col0;
+                row_lse = p.lse + seq.lse_offset(p, bidb, head) + qrow;
+            }
             // Columns 2j and 2j + 1 of the view are neighbours in the row (the accumulator's
             // innermost mode); the base is 16-byte aligned and every stride a multiple of 8
             // elements (the binding's is_kernel_ready): 4-byte aligned stores.
@@ -65,7 +75,7 @@ struct Sm90FwdEpilogue {
                         reinterpret_cast<uint32_t const&>(packed);
                 }
             }
-            if (col0 == 0) lse_ptr[row] = lse[r];
+            if (col0 == 0) *row_lse = lse[r];
         }
     }
 };

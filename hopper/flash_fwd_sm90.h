@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cute/tensor.hpp>
 
 #include "epilogue_fwd_sm90.h"
@@ -124,8 +125,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             constexpr int kRows = decltype(size<0>(wgmma_acc_as_rows_cols(acc_o.layout())))::value;
             float lse[kRows];
             if (g.has_keys()) {
-                Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, g, acc_o,
-                                  lse);
+                Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
+                                  t.bidh, g, acc_o, lse);
             } else {
                 // No key is visible: the rows attend to nothing.
                 clear(acc_o);
@@ -145,14 +146,15 @@ inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
 }
 
 // Heads per section of the dynamic schedule: as many as keep their K and V within about half
-// of an H100's 50 MiB L2 (query heads of one GQA group share theirs).
+// of an H100's 50 MiB L2 (query heads of one GQA group share theirs). `heads`: the heads the
+// schedule walks (KV heads when GQA is packed).
 template <class Traits>
-int heads_per_section(FwdParams const& p) {
+int heads_per_section(FwdParams const& p, int heads) {
     constexpr int64_t kL2Budget = int64_t(24) << 20;
     const int64_t kv_bytes =
         2 * int64_t(p.seqlen_k) * p.headdim * int64_t(sizeof(typename Traits::Element));
-    const int64_t per_head = std::max<int64_t>(kv_bytes * p.nheads_k / p.nheads, 1);
-    return int(std::clamp<int64_t>(kL2Budget / per_head, 1, int64_t(p.nheads) * p.batch));
+    const int64_t per_head = std::max<int64_t>(kv_bytes * p.nheads_k / heads, 1);
+    return int(std::clamp<int64_t>(kL2Budget / per_head, 1, int64_t(heads) * p.batch));
 }
 
 template <class Traits>
@@ -172,9 +174,11 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;
     using D = typename Traits::D;
-    const TileSchedulerParams sched{(p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM,
-                                    p.nheads, p.batch, heads_per_section<Traits>(p),
-                                    p.tile_counter};
+    // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
+    const int heads = p.nheads / p.pack_gqa;
+    const TileSchedulerParams sched{
+        (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM, heads, p.batch,
+        heads_per_section<Traits>(p, heads), p.tile_counter};
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
@@ -231,10 +235,30 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     cudaLaunchKernelEx(&config, kernel, args);
 }
 
+// GQA packing (query heads of one KV head in one tile) where it needs fewer tiles than one
+// head per tile: short query sequences (decode). FLASH_ATTN_PACK_GQA=1 packs every GQA call,
+// =0 none (tests run both).
+inline int pack_gqa_factor(FwdParams const& p, int block_m) {
+    const int group = p.nheads / p.nheads_k;
+    if (group == 1) return 1;
+    const char* env = std::getenv("FLASH_ATTN_PACK_GQA");
+    if (env != nullptr && env[0] == '0') return 1;
+    if (env != nullptr && env[0] == '1') return group;
+    const int64_t packed = (int64_t(p.seqlen_q) * group + block_m - 1) / block_m;
+    const int64_t unpacked = int64_t(group) * ((p.seqlen_q + block_m - 1) / block_m);
+    return packed < unpacked ? group : 1;
+}
+
 template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
+    using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
+    if (p.pack_gqa > 1) {
+        launch_fwd_sm90<Packed>(p, stream);
+        return;
+    }
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel's clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.

@@ -21,10 +21,15 @@ namespace flash {
 
 // kBand: a causal or window mask may cut blocks anywhere; without it only the key-length bound
 // can, and only in the first key block the consumers process (the last one in the sequence).
-template <class T, int kHeadDim, bool kBand_>
+// kPackGQA: tiles hold packed rows of a KV head's query heads (FwdParams::pack_gqa); its own
+// instantiation, so the unpacked kernels keep their registers (the packed row mapping costs
+// two in the key loop).
+template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false>
 struct Sm90FwdTraits {
     using Element = T;
     static constexpr bool kBand = kBand_;
+    static constexpr bool kPackGQA = kPackGQA_;
+    static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
     static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;

@@ -20,10 +20,12 @@
 
 namespace flash {
 
-// Where one tile's rows and keys live, as seen by both roles.
+// Where one tile's rows and keys live, as seen by both roles. With GQA packing the tile's rows
+// are packed rows (FwdParams::pack_gqa); q_row0 and q_span give the query rows they cover.
 struct Sm90TileGeometry {
-    int row0;  // first query row of the tile in its sequence
-    int rows;  // query rows of the tile inside the sequence
+    int row0;  // first (packed) row of the tile in its sequence
+    int rows;  // (packed) rows of the tile inside the sequence
+    int q_row0, q_span;   // query rows [q_row0, q_row0 + q_span) of the tile's block_m rows
     int n_first, n_last;  // key blocks [n_first, n_last) the tile's rows can see
 
     __device__ bool has_rows() const { return rows > 0; }
@@ -42,12 +44,20 @@ struct Sm90FwdMainloop {
     using SharedStorage = typename Traits::SharedStorage;
     using PipeState = typename Traits::PipeState;
 
+    // Query heads per tile row group: 1 unless this is the packed instantiation.
+    static __device__ int pack_factor(FwdParams const& p) {
+        return Traits::kPackGQA ? p.pack_gqa : 1;
+    }
+
     static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
                                                 int m_block) {
+        const int pack = pack_factor(p);
         Sm90TileGeometry g;
         g.row0 = m_block * kBlockM;
-        g.rows = min(kBlockM, seq.seqlen_q - g.row0);
-        seq.mask(p).key_block_range(g.row0, kBlockM, kBlockN, g.n_first, g.n_last);
+        g.rows = min(kBlockM, seq.seqlen_q * pack - g.row0);
+        g.q_row0 = g.row0 / pack;
+        g.q_span = (g.row0 + kBlockM - 1) / pack - g.q_row0 + 1;
+        seq.mask(p).key_block_range(g.q_row0, g.q_span, kBlockN, g.n_first, g.n_last);
         return g;
     }
 
@@ -72,7 +82,8 @@ struct Sm90FwdMainloop {
                                 WaitQueryEmpty&& wait_query_empty) {
         FwdParams const& p = a.p;
         const bool issuer = threadIdx.x % 32 == 0;
-        const int bidh_k = bidh / (p.nheads / p.nheads_k);
+        // Packed tiles are scheduled per KV head.
+        const int bidh_k = Traits::kPackGQA ? bidh : bidh / (p.nheads / p.nheads_k);
         const bool varlen = p.is_varlen();
 
         Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
@@ -128,7 +139,9 @@ struct Sm90FwdMainloop {
 
         load_k(g.n_last - 1);
         wait_query_empty();
-        if (issuer) {
+        if (issuer && Traits::kPackGQA) {
+            ss.q_full.arrive();  // the buffer is free: the consumers gather packed Q themselves
+        } else if (issuer) {
             ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
             copy(a.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQg, tQs);
         }
@@ -143,14 +156,41 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- consumer ----
 
+    // GQA packing: packed row r of the tile is query row (row0 + r) / G of head
+    // kv_head * G + (row0 + r) % G. No TMA box describes those rows for a run-time G, so the
+    // consumer warp groups gather them with 16-byte cp.async (head-dim padding zero-filled, as
+    // TMA does; rows past the sequence are left as they are, their scores are never stored),
+    // then make the writes visible to WGMMA (the async proxy) before either group reads them.
+    static __device__ void gather_packed_query(FwdParams const& p, SharedStorage& ss,
+                                               SeqInfo const& seq, int bidb, int kv_head,
+                                               Sm90TileGeometry const& g) {
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        constexpr int kChunks = D::value / 8;  // 16-byte chunks per row
+        const T* q = static_cast<const T*>(p.q);
+        for (int i = int(threadIdx.x) - 128; i < g.rows * kChunks; i += Traits::kConsumerThreads) {
+            const int r = i / kChunks;
+            const int c = (i % kChunks) * 8;
+            const int prow = g.row0 + r;
+            const bool in_dim = c < p.headdim;
+            const T* src = q + seq.q_offset(p.q_stride, p, bidb, prow / p.pack_gqa,
+                                            kv_head * p.pack_gqa + prow % p.pack_gqa);
+            SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+                *reinterpret_cast<const uint128_t*>(src + (in_dim ? c : 0)),
+                *reinterpret_cast<uint128_t*>(&sQ(r, c)), in_dim);
+        }
+        cp_async_wait<0>();
+        cutlass::arch::fence_view_async_shared();
+        barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
+    }
+
     // Runs one tile for this consumer warp group: acc_o gets the normalised output, lse the
     // natural-log LSE of this thread's rows. Arrives on kQueryEmpty once Q is no longer read.
     template <class AccO, int kRows>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
                                    PipeState& k_state, PipeState& v_state, int& q_phase,
-                                   SeqInfo const& seq, Sm90TileGeometry const& g, AccO& acc_o,
-                                   float (&lse)[kRows]) {
+                                   SeqInfo const& seq, int bidb, int bidh,
+                                   Sm90TileGeometry const& g, AccO& acc_o, float (&lse)[kRows]) {
         FwdParams const& p = a.p;
         const int ctid = int(threadIdx.x) - 128;
         const int group = ctid / 128;
@@ -189,8 +229,8 @@ struct Sm90FwdMainloop {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
             if constexpr (decltype(may_mask)::value) {
-                if (mask.tile_needs_mask(g.row0, kBlockM, n * kBlockN, kBlockN)) {
-                    apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN);
+                if (mask.tile_needs_mask(g.q_row0, g.q_span, n * kBlockN, kBlockN)) {
+                    apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, pack_factor(p));
                 }
             }
             softmax.update_scores(s_rc, p.scale_log2, corr);
@@ -222,6 +262,7 @@ struct Sm90FwdMainloop {
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
         ss.q_full.wait(q_phase);
         q_phase ^= 1;
+        if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
 
         // First block: S only.
         int n = g.n_last - 1;

@@ -236,6 +236,32 @@ def test_gqa(ratio: int, case: Case):
                   plain_qkv, case.ref_kwargs())
 
 
+def _gqa_packing_cases():
+    cases = []
+    for ratio, d, (sq, sk), causal in itertools.product(
+        (2, 4, 8), (64, 128), ((1, 239), (5, 1000), (113, 203)), (False, True)
+    ):
+        cases.append((ratio, Case("bf16", d, sq, sk, causal)))
+    cases.append((4, Case("bf16", 256, 3, 500, True)))
+    cases.append((4, Case("fp16", 96, 7, 300, window=(64, 32))))
+    cases.append((8, Case("bf16", 128, 3, 239, softcap=30.0, scale=1.0)))
+    return [pytest.param(r, c, id=f"g{r}-{c.id}") for r, c in cases]
+
+
+@pytest.mark.parametrize("pack", ["0", "1"])
+@pytest.mark.parametrize("ratio,case", _gqa_packing_cases())
+def test_gqa_packing(ratio: int, case: Case, pack: str, monkeypatch):
+    """The SM90 forward with the query heads of each KV head packed into shared tiles
+    (FLASH_ATTN_PACK_GQA=1, forced; by default only short query sequences pack) and without
+    (=0): both match the reference. The SM80 path ignores the variable."""
+    monkeypatch.setenv("FLASH_ATTN_PACK_GQA", pack)
+    torch.manual_seed(4)
+    h = 8
+    q, k, v = make_qkv(case, b=2, h=h, hk=h // ratio)
+    check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, **case.api_kwargs()), [q, k, v],
+                  plain_qkv, case.ref_kwargs())
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed inputs and non-contiguous views (last dim contiguous)
 # ---------------------------------------------------------------------------------------------

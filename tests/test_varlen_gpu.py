@@ -114,6 +114,16 @@ def test_varlen_fwd_bwd(dtype, lens, d, ratio, causal, window, softcap, scale):
     check_fwd_bwd(ours, [q, k, v], plain_qkv, rk)
 
 
+@pytest.mark.parametrize("pack", ["0", "1"])
+@pytest.mark.parametrize("dtype,lens,d,ratio,causal,window,softcap,scale",
+                         [c for c in _varlen_cases() if c.values[3] > 1])
+def test_varlen_gqa_packing(dtype, lens, d, ratio, causal, window, softcap, scale, pack,
+                            monkeypatch):
+    """The varlen GQA cases with the SM90 forward's GQA packing forced on and off."""
+    monkeypatch.setenv("FLASH_ATTN_PACK_GQA", pack)
+    test_varlen_fwd_bwd(dtype, lens, d, ratio, causal, window, softcap, scale)
+
+
 @pytest.mark.parametrize("lens", list(LENGTHS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_lse(lens, causal):

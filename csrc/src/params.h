@@ -58,6 +58,10 @@ struct FwdParams : AttnShape {
     float* lse = nullptr;  // batched (b, h, sq); varlen (h, total_q)
     TensorStrides q_stride, k_stride, v_stride, o_stride;
     int* tile_counter = nullptr;  // SM90: one int of workspace for the dynamic tile scheduler
+    // SM90, set by its launcher: query heads per KV head packed into one tile's rows (GQA
+    // packing; packed row r is query row r / pack_gqa of head kv_head * pack_gqa +
+    // r % pack_gqa). 1: tiles hold one query head.
+    int pack_gqa = 1;
 };
 
 struct BwdParams : AttnShape {

@@ -27,16 +27,17 @@ __forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
 // Sets masked scores to -inf. `s` and `coord` are (rows, cols) views; coord holds tile-local
 // (row, col) that row0/col0 shift into sequence coordinates. Column offsets inside the thread's
 // fragment are compile-time constants, so each compare is against an immediate and no per-column
-// index stays live in registers (it would be hoisted out of the key loop and spill).
+// index stays live in registers (it would be hoisted out of the key loop and spill). With GQA
+// packing (`pack` > 1) tile rows are packed rows: query row = packed row / pack.
 template <class Tensor, class Coord>
 __forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMask const& mask,
-                                           int row0, int col0) {
+                                           int row0, int col0, int pack = 1) {
     const auto base = coord(0, 0);
     const auto offsets = coord.layout();
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
         int lo, hi;
-        mask.col_limits(row0 + get<0>(base) + get<0>(offsets(r, 0)), lo, hi);
+        mask.col_limits((row0 + get<0>(base) + get<0>(offsets(r, 0))) / pack, lo, hi);
         lo -= col0 + get<1>(base);
         hi -= col0 + get<1>(base);
         CUTE_UNROLL
