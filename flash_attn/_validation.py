@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -44,14 +43,14 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class AttnArgs:
-    """Normalized description of one validated call.
+class AttnArgs(NamedTuple):
+    """Normalized description of one validated call (immutable).
 
     For varlen calls ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and
     ``total_q``/``total_k`` the numbers of rows; for batched calls ``total_*`` are ``None``.
     ``window_left``/``window_right`` are normalized: -1 means unbounded, and ``causal`` forces
-    ``window_right = 0`` (docs/INTERNALS.md).
+    ``window_right = 0`` (docs/INTERNALS.md). A NamedTuple rather than a frozen dataclass: it
+    is built on every call, several times faster.
     """
 
     varlen: bool
@@ -84,12 +83,21 @@ def _is_compiling() -> bool:
         return False
 
 
+# The exact-type tests first: they answer the usual int / float arguments at a fraction of the
+# cost of the ABC isinstance checks.
+
+
 def _is_int(x) -> bool:
-    return isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+    return type(x) is int or (
+        isinstance(x, (numbers.Integral, torch.SymInt)) and not isinstance(x, bool)
+    )
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
+    t = type(x)
+    return t is float or t is int or (
+        isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)) and not isinstance(x, bool)
+    )
 
 
 def _isfinite(x) -> bool:
@@ -111,16 +119,20 @@ def _check_tensor(fn: str, name: str, x) -> None:
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _check_device_type(fn: str, name: str, x: Tensor) -> None:
-    if x.device.type not in SUPPORTED_DEVICE_TYPES:
+# The checks below take the device and its type from the caller, which reads them once
+# (``Tensor.device.type`` costs as much as several of the checks).
+
+
+def _check_device_type(fn: str, name: str, device: torch.device, device_type: str) -> None:
+    if device_type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(
-            f"{fn}: {name} is on device {x.device}, but only CUDA tensors (kernels) and CPU "
+            f"{fn}: {name} is on device {device}, but only CUDA tensors (kernels) and CPU "
             f"tensors (PyTorch reference) are supported; move it with {name}.cuda()"
         )
 
 
-def _check_float_dtype(fn: str, name: str, x: Tensor) -> None:
-    if x.device.type == "cuda":
+def _check_float_dtype(fn: str, name: str, x: Tensor, device_type: str) -> None:
+    if device_type == "cuda":
         if x.dtype not in CUDA_DTYPES:
             raise TypeError(
                 f"{fn}: {name} must be float16 or bfloat16 on CUDA, got {x.dtype}; "
@@ -159,15 +171,25 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
 def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
     """Type / device / dtype / rank / shape checks shared by the batched and varlen paths.
 
-    Returns (nheads, nheads_k, headdim)."""
+    Returns (nheads, nheads_k, headdim, device_type)."""
     nq, nk, nv = names
-    for name, x in ((nq, q), (nk, k), (nv, v)):
-        _check_tensor(fn, name, x)
-    for name, x in ((nq, q), (nk, k), (nv, v)):
-        _check_device_type(fn, name, x)
-    _check_same_device(fn, nq, q, nk, k)
-    _check_same_device(fn, nq, q, nv, v)
-    _check_float_dtype(fn, nq, q)
+    _check_tensor(fn, nq, q)
+    _check_tensor(fn, nk, k)
+    _check_tensor(fn, nv, v)
+    device, k_device, v_device = q.device, k.device, v.device
+    device_type = device.type
+    _check_device_type(fn, nq, device, device_type)
+    # On q's device k and v pass the device type check; only the others need their own type.
+    k_elsewhere, v_elsewhere = k_device != device, v_device != device
+    if k_elsewhere:
+        _check_device_type(fn, nk, k_device, k_device.type)
+    if v_elsewhere:
+        _check_device_type(fn, nv, v_device, v_device.type)
+    if k_elsewhere:
+        _check_same_device(fn, nq, q, nk, k)
+    if v_elsewhere:
+        _check_same_device(fn, nq, q, nv, v)
+    _check_float_dtype(fn, nq, q, device_type)
     _check_same_dtype(fn, nq, q, nk, k)
     _check_same_dtype(fn, nq, q, nv, v)
     if varlen:
@@ -178,30 +200,31 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
         _check_rank(fn, nq, q, 4, "(batch, seqlen_q, nheads, headdim)")
         _check_rank(fn, nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
         _check_rank(fn, nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    if k.shape != v.shape:
+    q_shape, k_shape = q.shape, k.shape
+    if k_shape != v.shape:
         raise ValueError(
             f"{fn}: {nk} and {nv} must have the same shape, got {nk} {tuple(k.shape)} and "
             f"{nv} {tuple(v.shape)}"
         )
-    if not varlen and k.shape[0] != q.shape[0]:
+    if not varlen and k_shape[0] != q_shape[0]:
         raise ValueError(
             f"{fn}: {nq} and {nk} must have the same batch size, got {nq} {tuple(q.shape)} "
             f"(batch {q.shape[0]}) and {nk} {tuple(k.shape)} (batch {k.shape[0]})"
         )
-    headdim = q.shape[-1]
-    if k.shape[-1] != headdim:
+    headdim = q_shape[-1]
+    if k_shape[-1] != headdim:
         raise ValueError(
             f"{fn}: {nq} and {nk} must have the same headdim (last dim), got {nq} "
             f"{tuple(q.shape)} and {nk} {tuple(k.shape)}"
         )
     if headdim <= 0:
         raise ValueError(f"{fn}: headdim (last dim of {nq}) must be > 0, got {headdim}")
-    if q.device.type == "cuda" and headdim > MAX_HEADDIM_CUDA:
+    if device_type == "cuda" and headdim > MAX_HEADDIM_CUDA:
         raise ValueError(
             f"{fn}: headdim (last dim of {nq}) must be <= {MAX_HEADDIM_CUDA} on CUDA, got "
             f"{headdim}"
         )
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    nheads, nheads_k = q_shape[-2], k_shape[-2]
     if nheads_k <= 0 or nheads <= 0:
         raise ValueError(
             f"{fn}: number of heads must be > 0, got nheads={nheads} ({nq}) and "
@@ -212,7 +235,7 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
             f"{fn}: the number of query heads ({nheads}, {nq}.shape[-2]) must be divisible by "
             f"the number of key/value heads ({nheads_k}, {nk}.shape[-2])"
         )
-    return nheads, nheads_k, headdim
+    return nheads, nheads_k, headdim, device_type
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,9 +260,10 @@ def _check_options(
     """Returns (softmax_scale, causal, window_left, window_right, softcap), normalized."""
     if not _is_real(dropout_p):
         raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not (0.0 <= float(dropout_p) < 1.0):
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if float(dropout_p) > 0.0:
+    if p > 0.0:
         raise NotImplementedError(
             f"{fn}: dropout is not implemented yet (got dropout_p={dropout_p!r}); pass "
             f"dropout_p=0.0 (apply dropout outside attention if you need it)"
@@ -259,13 +283,13 @@ def _check_options(
                 f"1/sqrt(headdim)), got {softmax_scale!r}"
             )
 
-    if not isinstance(causal, bool):
+    if type(causal) is not bool:  # bool has no subclasses: same as isinstance, cheaper
         raise TypeError(f"{fn}: causal must be a bool, got {causal!r}")
 
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(_is_int(w) for w in window_size)
+        or not (_is_int(window_size[0]) and _is_int(window_size[1]))
     ):
         raise TypeError(
             f"{fn}: window_size must be a pair of ints (left, right), -1 meaning unbounded, "
@@ -293,7 +317,7 @@ def _check_options(
             f"{type(alibi_slopes).__name__}); pass alibi_slopes=None"
         )
 
-    if not isinstance(deterministic, bool):
+    if type(deterministic) is not bool:
         raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
     if deterministic and device_type == "cuda" and needs_grad:
         raise NotImplementedError(
@@ -302,14 +326,19 @@ def _check_options(
             f"deterministic=False, or run the forward without gradients (torch.no_grad())"
         )
 
-    if not isinstance(return_attn_probs, bool):
+    if type(return_attn_probs) is not bool:
         raise TypeError(f"{fn}: return_attn_probs must be a bool, got {return_attn_probs!r}")
 
     return scale, causal, left, right, cap
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(tensors: Tuple[Tensor, ...]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,24 +384,33 @@ def _check_max_seqlen(fn: str, name: str, x) -> int:
 
 
 def _check_cu_seqlens_values(
-    fn: str, name: str, cu: Tensor, total: int, total_desc: str, max_name: str, max_seqlen: int
+    fn: str,
+    name: str,
+    cu: Tensor,
+    total: int,
+    rows_name: str,
+    total_name: str,
+    max_name: str,
+    max_seqlen: int,
 ) -> None:
-    vals = [int(x) for x in cu.tolist()]
+    vals = cu.tolist()  # Python ints (cu is int32)
     if vals[0] != 0:
         raise ValueError(f"{fn}: {name} must start at 0, got {name}[0] = {vals[0]}")
-    lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
-    for i, n in enumerate(lens):
+    longest = 0
+    for i in range(1, len(vals)):
+        n = vals[i] - vals[i - 1]
         if n < 0:
             raise ValueError(
-                f"{fn}: {name} must be nondecreasing, but {name}[{i + 1}] = {vals[i + 1]} < "
-                f"{name}[{i}] = {vals[i]}"
+                f"{fn}: {name} must be nondecreasing, but {name}[{i}] = {vals[i]} < "
+                f"{name}[{i - 1}] = {vals[i - 1]}"
             )
+        if n > longest:
+            longest = n
     if vals[-1] != total:
         raise ValueError(
-            f"{fn}: {name}[-1] must equal the number of rows of {total_desc} ({total}), got "
-            f"{vals[-1]}"
+            f"{fn}: {name}[-1] must equal the number of rows of {rows_name} ({total_name}) "
+            f"({total}), got {vals[-1]}"
         )
-    longest = max(lens, default=0)
     if longest > max_seqlen:
         raise ValueError(
             f"{fn}: {max_name} must be >= the longest sequence in {name} ({longest}), got "
@@ -402,24 +440,27 @@ def validate_qkv(
     grad_tensors: Optional[Tuple[Tensor, ...]] = None,
 ) -> AttnArgs:
     """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d)."""
-    nheads, nheads_k, headdim = _check_qkv_tensors(fn, names, q, k, v, varlen=False)
-    gt = grad_tensors if grad_tensors is not None else (q, k, v)
+    nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
+                                                                varlen=False)
     scale, causal, left, right, cap = _check_options(
-        fn, q.device.type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, deterministic, return_attn_probs, _needs_grad(*gt),
+        fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs,
+        _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
     return AttnArgs(
         varlen=False, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
-        softcap=cap, device_type=q.device.type, dtype=q.dtype,
+        softcap=cap, device_type=device_type, dtype=q.dtype,
     )
 
 
 def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, n: int):
     _check_tensor(fn, name, x)
-    _check_device_type(fn, name, x)
-    _check_float_dtype(fn, name, x)
+    device = x.device
+    device_type = device.type
+    _check_device_type(fn, name, device, device_type)
+    _check_float_dtype(fn, name, x, device_type)
     _check_rank(fn, name, x, rank, layout)
     if x.shape[pack_dim] != n:
         raise ValueError(
@@ -432,8 +473,7 @@ def validate_qkvpacked(fn: str, qkv, **options) -> AttnArgs:
     """qkv (batch, seqlen, 3, nheads, headdim)."""
     _check_packed(fn, "qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", 2, 3)
     return validate_qkv(
-        fn, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], names=("qkv", "qkv", "qkv"),
-        grad_tensors=(qkv,), **options,
+        fn, *qkv.unbind(2), names=("qkv", "qkv", "qkv"), grad_tensors=(qkv,), **options,
     )
 
 
@@ -442,8 +482,7 @@ def validate_kvpacked(fn: str, q, kv, **options) -> AttnArgs:
     _check_tensor(fn, "q", q)
     _check_packed(fn, "kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", 2, 2)
     return validate_qkv(
-        fn, q, kv[:, :, 0], kv[:, :, 1], names=("q", "kv", "kv"), grad_tensors=(q, kv),
-        **options,
+        fn, q, *kv.unbind(2), names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
     )
 
 
@@ -475,7 +514,8 @@ def validate_varlen_qkv(
         raise NotImplementedError(
             f"{fn}: block_table (paged KV cache) is not implemented; pass block_table=None"
         )
-    nheads, nheads_k, headdim = _check_qkv_tensors(fn, names, q, k, v, varlen=True)
+    nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
+                                                                varlen=True)
     nq, nk = names[0], names[1]
     cq, ck = cu_names
     _check_cu_seqlens(fn, cq, cu_seqlens_q, nq, q)
@@ -487,26 +527,22 @@ def validate_varlen_qkv(
         )
     mq = _check_max_seqlen(fn, max_names[0], max_seqlen_q)
     mk = _check_max_seqlen(fn, max_names[1], max_seqlen_k)
-    gt = grad_tensors if grad_tensors is not None else (q, k, v)
     scale, causal, left, right, cap = _check_options(
-        fn, q.device.type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, deterministic, return_attn_probs, _needs_grad(*gt),
+        fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs,
+        _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
-    check_values = q.device.type == "cpu" or (
-        q.device.type == "cuda" and check_inputs_enabled()
-    )
+    check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
-        _check_cu_seqlens_values(
-            fn, cq, cu_seqlens_q, q.shape[0], f"{nq} (total_q)", max_names[0], mq
-        )
-        _check_cu_seqlens_values(
-            fn, ck, cu_seqlens_k, k.shape[0], f"{nk} (total_k)", max_names[1], mk
-        )
+        _check_cu_seqlens_values(fn, cq, cu_seqlens_q, q.shape[0], nq, "total_q", max_names[0],
+                                 mq)
+        _check_cu_seqlens_values(fn, ck, cu_seqlens_k, k.shape[0], nk, "total_k", max_names[1],
+                                 mk)
     return AttnArgs(
         varlen=True, batch=cu_seqlens_q.shape[0] - 1, seqlen_q=mq, seqlen_k=mk,
         total_q=q.shape[0], total_k=k.shape[0], nheads=nheads, nheads_k=nheads_k,
         headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
-        window_right=right, softcap=cap, device_type=q.device.type, dtype=q.dtype,
+        window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
     )
 
 
@@ -514,7 +550,7 @@ def validate_varlen_qkvpacked(fn: str, qkv, cu_seqlens, max_seqlen, **options) -
     """qkv (total, 3, nheads, headdim), cu_seqlens (batch + 1,)."""
     _check_packed(fn, "qkv", qkv, 4, "(total, 3, nheads, headdim)", 1, 3)
     return validate_varlen_qkv(
-        fn, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         names=("qkv", "qkv", "qkv"), cu_names=("cu_seqlens", "cu_seqlens"),
         max_names=("max_seqlen", "max_seqlen"), grad_tensors=(qkv,), **options,
     )
@@ -527,6 +563,6 @@ def validate_varlen_kvpacked(
     _check_tensor(fn, "q", q)
     _check_packed(fn, "kv", kv, 4, "(total_k, 2, nheads_k, headdim)", 1, 2)
     return validate_varlen_qkv(
-        fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
     )

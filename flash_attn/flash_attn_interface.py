@@ -1,9 +1,11 @@
 """The public FlashAttention-2 style functions.
 
-All six functions validate their arguments (:mod:`flash_attn._validation`), then call the custom
-op ``torch.ops.flash_attn._fwd`` (:mod:`flash_attn.ops`), whose autograd formula calls
-``torch.ops.flash_attn._bwd``. CUDA tensors run the compiled kernels (``flash_attn._C``); CPU
-tensors run the PyTorch reference (:mod:`flash_attn.reference`), with the same semantics.
+All six functions validate their arguments (:mod:`flash_attn._validation`), then call
+:func:`flash_attn.ops.flash_attn_fwd`: under ``torch.compile`` the custom op
+``torch.ops.flash_attn._fwd``, whose autograd formula calls ``torch.ops.flash_attn._bwd``; in
+eager mode the same kernels and backward formula without the custom op's dispatch overhead.
+CUDA tensors run the compiled kernels (``flash_attn._C``); CPU tensors run the PyTorch reference
+(:mod:`flash_attn.reference`), with the same semantics.
 
 Notes common to all functions:
 
@@ -37,13 +39,8 @@ __all__ = [
 ]
 
 
-def _maybe_contiguous(x: Optional[Tensor]) -> Optional[Tensor]:
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
-
-
-def _pad_headdim(x: Tensor, headdim: int) -> Tensor:
-    rem = headdim % 8
-    return x if rem == 0 else F.pad(x, [0, 8 - rem])
+def _maybe_contiguous(x: Tensor) -> Tensor:
+    return x.contiguous() if x.stride(-1) != 1 else x
 
 
 def _attention(
@@ -61,12 +58,14 @@ def _attention(
     q0, k0 = q, k
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     hd = a.headdim
-    qp, kp, vp = _pad_headdim(q, hd), _pad_headdim(k, hd), _pad_headdim(v, hd)
+    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
+    if pad:
+        q, k, v = F.pad(q, [0, pad]), F.pad(k, [0, pad]), F.pad(v, [0, pad])
     out, lse = ops.flash_attn_fwd(
-        qp, kp, vp, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
     )
-    if hd % 8 != 0:
+    if pad:
         out = out[..., :hd]
     if not return_attn_probs:
         return out

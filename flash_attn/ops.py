@@ -1,4 +1,4 @@
-"""``torch.library`` custom ops wrapping the attention kernels.
+"""``torch.library`` custom ops wrapping the attention kernels, and their eager fast path.
 
 * ``torch.ops.flash_attn._fwd`` -> ``(out, softmax_lse)``
 * ``torch.ops.flash_attn._bwd`` -> ``(dq, dk, dv)``
@@ -7,6 +7,13 @@ Device implementations: CUDA calls the extension ``flash_attn._C`` (imported laz
 this module imports without it); CPU runs :mod:`flash_attn.reference`. Both ops have fake
 (meta) implementations, so they trace under ``torch.compile`` as single opaque nodes, and
 ``_fwd`` has an autograd formula that calls ``_bwd``.
+
+The entry points :func:`flash_attn_fwd` / :func:`flash_attn_bwd` call the custom ops while
+``torch.compile`` traces (and whenever a mode, transform or tensor subclass could intercept the
+op). In plain eager mode they call the same device implementations directly, skipping the
+dispatcher round trip of the custom op (tens of microseconds per call): through
+``_FlashAttnFunc``, a ``torch.autograd.Function`` sharing the op's context setup and backward
+formula, when a gradient is needed, else with no autograd at all.
 
 The signatures follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with two differences:
 the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are not exposed
@@ -27,7 +34,7 @@ varlen (``cu_seqlens_q`` given); ``dq, dk, dv`` have the shapes and dtypes of q,
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,6 +67,28 @@ def load_extension():
 # Head-dim tiers the kernels are compiled for (csrc/src/tile_config.h, kHeadDimTiers).
 _HEADDIM_TIERS = (32, 64, 96, 128, 160, 192, 224, 256)
 _BUILT_KERNELS = None
+# Compute capability per CUDA device index; it cannot change while the process runs.
+_CAPABILITY: Dict[int, Tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """Compute capability of ``device``, cached per device index. A device without an index
+    means the current device, which can change, so it is queried every time."""
+    index = device.index
+    if index is None:
+        return torch.cuda.get_device_capability(device)
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(device)
+    return cap
+
+
+def _tier(headdim: int) -> Optional[int]:
+    """The smallest compiled head-dim tier >= ``headdim``, or None above the largest."""
+    for t in _HEADDIM_TIERS:
+        if headdim <= t:
+            return t
+    return None
 
 
 def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.device) -> None:
@@ -78,11 +107,14 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
     if _BUILT_KERNELS is None:
         _BUILT_KERNELS = {(k["kind"], k["arch"], k["dtype"], k["headdim"])
                           for k in load_extension().build_info()["kernels"]}
-    tier = next((t for t in _HEADDIM_TIERS if headdim <= t), None)
+    tier = _tier(headdim)
     dt = "fp16" if dtype == torch.float16 else "bf16"
-    sm90 = (torch.cuda.get_device_capability(device) == (9, 0)
-            and os.environ.get("FLASH_ATTN_FORCE_SM80", "") != "1")
-    if (kind, 80, dt, tier) in _BUILT_KERNELS or (sm90 and (kind, 90, dt, tier) in _BUILT_KERNELS):
+    if (kind, 80, dt, tier) in _BUILT_KERNELS:
+        return
+    # Only without an SM80 kernel do the capability and FLASH_ATTN_FORCE_SM80 matter; the
+    # variable is read at every call, as the binding does.
+    if ((kind, 90, dt, tier) in _BUILT_KERNELS and _capability(device) == (9, 0)
+            and os.environ.get("FLASH_ATTN_FORCE_SM80", "") != "1"):
         return
     raise NotImplementedError(
         f"flash_attn: no {'forward' if kind == 'fwd' else 'backward'} kernel was built for {dt} "
@@ -98,13 +130,35 @@ def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
     return (q.shape[0], q.shape[2], q.shape[1])  # (batch, nheads, seqlen_q)
 
 
+# Tensor types the device implementations may be handed directly (Parameter only disables
+# __torch_function__); any other subclass goes through the custom op.
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _direct_call_ok(q: Tensor, *tensors: Optional[Tensor]) -> bool:
+    """Whether calling the device implementation for q's device directly does what calling the
+    custom op would: q on CPU or CUDA (meta tensors take the op's fake implementation), plain
+    tensors, and no torch-function or dispatch mode (FakeTensorMode, make_fx, selective
+    checkpointing, ...) nor functorch transform (vmap, grad, ...) that would see the op.
+    The caller checks ``torch.compiler.is_compiling()`` first."""
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    if type(q) not in _PLAIN_TENSOR_TYPES or not (q.is_cuda or q.is_cpu):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("flash_attn::_fwd", mutates_args=())
-def flash_attn_fwd(
+def _fwd_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -125,7 +179,7 @@ def flash_attn_fwd(
     )
 
 
-@flash_attn_fwd.register_kernel("cpu")
+@_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
     return reference.attention_forward_ref(
@@ -142,7 +196,7 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
     return out, lse
 
 
-@flash_attn_fwd.register_kernel("cuda")
+@_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
     if q.numel() == 0 or k.numel() == 0:
@@ -156,12 +210,17 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     return out, lse
 
 
-@flash_attn_fwd.register_fake
+@_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
+
+
+def _fwd_impl(*args: Any) -> Tuple[Tensor, Tensor]:
+    """The custom op's kernel for q's device (CPU or CUDA), called without the dispatcher."""
+    return _fwd_cuda(*args) if args[0].is_cuda else _fwd_cpu(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +229,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 
 
 @torch.library.custom_op("flash_attn::_bwd", mutates_args=())
-def flash_attn_bwd(
+def _bwd_op(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -193,7 +252,7 @@ def flash_attn_bwd(
     )
 
 
-@flash_attn_bwd.register_kernel("cpu")
+@_bwd_op.register_kernel("cpu")
 def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
              deterministic):
@@ -204,7 +263,7 @@ def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
     )
 
 
-@flash_attn_bwd.register_kernel("cuda")
+@_bwd_op.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
               deterministic):
@@ -225,11 +284,46 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
     return dq, dk, dv
 
 
-@flash_attn_bwd.register_fake
+@_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
               deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def flash_attn_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable.
+
+    Calls ``torch.ops.flash_attn._bwd`` while tracing, under grad mode (a backward with
+    ``create_graph=True``: differentiating through the op then raises autograd's error, as the
+    op has no autograd formula), or when :func:`_direct_call_ok` says no; else the op's kernel
+    for q's device directly.
+    """
+    args = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+            deterministic)
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled()
+            or not _direct_call_ok(q, dout, k, v, out, softmax_lse, cu_seqlens_q,
+                                   cu_seqlens_k)):
+        return _bwd_op(*args)
+    return _bwd_cuda(*args) if q.is_cuda else _bwd_cpu(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,4 +368,54 @@ def _backward(ctx, dout, dlse):
     return (dq, dk, dv) + (None,) * 11
 
 
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    """The eager autograd node of the forward: the op's kernel for q's device, with the op's
+    context setup and backward formula. ``forward`` takes ``ctx`` itself rather than defining
+    a ``setup_context`` staticmethod: with one, ``Function.apply`` binds the arguments with
+    ``inspect.signature`` on every call."""
+
+    @staticmethod
+    def forward(ctx, *inputs: Any) -> Tuple[Tensor, Tensor]:
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def flash_attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
+    not differentiable).
+
+    While ``torch.compile`` traces, or when :func:`_direct_call_ok` says no, this is the custom op
+    ``torch.ops.flash_attn._fwd``, which traces as one node. In eager mode it calls the op's
+    kernel for q's device directly: through ``_FlashAttnFunc`` when grad mode is on and q, k or
+    v requires grad (the gradient reaches only those), else without autograd. Both ways run
+    the same kernels and the same backward formula.
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, deterministic)
+    if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
+                                                             cu_seqlens_k, seqused_k):
+        return _fwd_op(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttnFunc.apply(*args)
+    return _fwd_impl(*args)
