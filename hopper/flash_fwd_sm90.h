@@ -145,7 +145,7 @@ inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
     return extent <= 1 ? headdim : stride;
 }
 
-// Heads per section of the dynamic schedule: as many as keep their K and V within about half
+// Most heads per section of the dynamic schedule: as many as keep their K and V within about half
 // of an H100's 50 MiB L2 (query heads of one GQA group share theirs). `heads`: the heads the
 // schedule walks (KV heads when GQA is packed).
 template <class Traits>
@@ -176,9 +176,9 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using D = typename Traits::D;
     // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
     const int heads = p.nheads / p.pack_gqa;
-    const TileSchedulerParams sched{
+    const TileSchedulerParams sched = make_scheduler_params(
         (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM, heads, p.batch,
-        heads_per_section<Traits>(p, heads), p.tile_counter};
+        heads_per_section<Traits>(p, heads), p.tile_counter);
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),

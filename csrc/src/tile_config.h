@@ -65,14 +65,16 @@ struct Sm90FwdTile {
 // 512-2k, with three it is within 1.5% of the shared-buffer epilogue at 512-8k.
 // Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k).
 // d <= 64: three consumer groups (160 registers each) on a 192-row tile give each softmax
-// more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal.
+// more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V
+// stages (152 KiB; the tiles are small) let the next tile's first blocks load further ahead:
+// +6-9% at 512, +3-7% at 1024, +1-3% at 2k (NOTES SM90 item 28).
 // cluster_m = 2 from d = 128 without a band: K and V then come from L2 at 128 FLOP per byte
 // or less, and the loads, not the GEMMs, set the pace (d=128 8k: 577 TFLOP/s as is, 664 with
 // the K/V loads of all but two blocks skipped). Two query tiles sharing each load halve that
 // traffic (d=128 8k 596 -> 610, d=256 8k 647 -> 720). The cluster kernel needs an even number
 // of query tiles per head and no varlen; the band kernel (cluster_m = 1) runs the rest.
 constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
-    return d <= 64    ? Sm90FwdTile{192, 128, 2, 3, true, 1}  // O small: 3 groups x 64 rows
+    return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}  // O small: 3 groups x 64 rows
            : d <= 128 ? (band ? Sm90FwdTile{128, 128, 3, 2, true, 1}   // 224 KiB
                             : Sm90FwdTile{128, 176, 2, 2, true, 2})  // 208 KiB
            : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, band ? 1 : 2}    // 192 KiB at d=192
