@@ -1,9 +1,14 @@
-// Epilogue of the SM90 forward: O (normalised, fp32 in registers) is converted, regrouped within
-// each quad of lanes so that a lane holds 8 neighbouring columns, and written from registers
-// with 16-byte stores, predicated on the sequence's rows and the head dim so varlen tiles never
-// touch a neighbouring sequence; the LSE likewise. Nothing goes through shared memory, so the Q
-// buffer is free once the tile's last S GEMM has read it and the next tile's Q loads while
-// this one finishes (short sequences gain most).
+// Epilogue of the SM90 forward. O arrives normalised, fp32 in registers; the LSE is written from
+// registers. Two ways out for O:
+//  - store_staged (batched tiles): each consumer group converts its 64 x d slice, writes it with
+//    stmatrix into the tile's last K or V stage (the mainloop kept that stage) and one thread
+//    issues a TMA store; the stage goes back to the producer once the TMA has read it. The
+//    group's own stores then take a few instructions, and the writes to HBM drain while the
+//    next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
+//  - store (varlen, packed GQA, tiles without keys): regrouped within each quad of lanes so
+//    that a lane holds 8 neighbouring columns, written with 16-byte stores predicated on the
+//    sequence's rows, so varlen tiles never touch a neighbouring sequence.
+// Neither uses the Q buffer, so the next tile's Q loads while this one finishes.
 #pragma once
 
 #include <cutlass/array.h>
@@ -44,6 +49,78 @@ struct Sm90FwdEpilogue {
     using T = typename Traits::Element;
     using BM = typename Traits::BM;
     using D = typename Traits::D;
+
+    // Run by every consumer thread after a tile computed with `staged` (see the mainloop);
+    // k_state / v_state are past the tile's last stages. `phase`: parity of the tile's
+    // keys_read / values_read completion.
+    template <class AccO, int kRows>
+    static __device__ void store_staged(Sm90FwdArgs<Traits> const& a,
+                                        typename Traits::SharedStorage& ss,
+                                        typename Traits::KPipe& k_pipe,
+                                        typename Traits::VPipe& v_pipe,
+                                        typename Traits::PipeState const& k_state,
+                                        typename Traits::PipeState const& v_state, int phase,
+                                        SeqInfo const& seq, int bidb, int bidh,
+                                        Sm90TileGeometry const& g,
+                                        AccO const& acc_o, float const (&lse)[kRows]) {
+        FwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - 128;
+        const int group = consumer_group();
+        const bool in_values = Traits::slice_in_values(group);
+        using Mainloop = Sm90FwdMainloop<Traits>;
+        const typename Traits::PipeState k_last = Mainloop::last_stage(k_state);
+        const typename Traits::PipeState v_last = Mainloop::last_stage(v_state);
+        constexpr int kStageElems = Traits::kBlockN * D::value;
+        constexpr int kSliceElems = 64 * D::value;
+        T* slice = in_values ? ss.v.data() + v_last.index() * kStageElems +
+                                   (group - Traits::kSlicesPerStage) * kSliceElems
+                             : ss.k.data() + k_last.index() * kStageElems + group * kSliceElems;
+        // The other groups may still read this stage with their last GEMM.
+        if (in_values) {
+            ss.values_read.wait(phase);
+        } else {
+            ss.keys_read.wait(phase);
+        }
+
+        Tensor rO = make_tensor<T>(acc_o.layout());
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_o); ++i) rO(i) = T(acc_o(i));
+        Tensor sO = make_tensor(make_smem_ptr(slice), typename Traits::SmemLayoutOSlice{});
+        typename Traits::StoreOSlice store;
+        auto thr = store.get_thread_slice(ctid % 128);
+        copy(store, thr.retile_S(rO), thr.partition_D(sO));
+        cutlass::arch::fence_view_async_shared();  // stmatrix writes, then the TMA reads
+        barrier_sync(epilogue_barrier(group), 128);
+        if (ctid % 128 == 0) {
+            Tensor gO = local_tile(
+                Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
+                                                   a.batch_q, bidh, bidb, 0),
+                Shape<_64, D>{}, make_coord(g.row0 / 64 + group, _0{}));
+            auto to = tma_partition(a.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                    group_modes<0, 2>(gO));
+            copy(a.tma_o, get<1>(to), get<0>(to));
+            tma_store_arrive();
+            tma_store_wait<0>();  // the slice has been read
+        }
+        barrier_sync(epilogue_barrier(group), 128);
+        if (in_values) {
+            v_pipe.consumer_release(v_last);
+        } else {
+            k_pipe.consumer_release(k_last);
+        }
+
+        typename Traits::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<BM, D>{}));
+        Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+        float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + g.row0;
+        if (ctid % 4 == 0) {
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+                const int row = get<0>(cO_rc(r, 0));
+                if (row < g.rows) lse_ptr[row] = lse[r];
+            }
+        }
+    }
 
     // Run by every consumer thread; `acc_o` and `lse` are this thread's rows. With GQA packing
     // `bidh` is the KV head and each packed row goes to its own query row and head.

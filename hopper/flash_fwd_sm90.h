@@ -40,6 +40,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x == 0) {
         ss.q_full.init(1);
         ss.tiles.init(Traits::kConsumerThreads / 32);
+        ss.keys_read.init(Traits::kConsumerThreads / 32);
+        ss.values_read.init(Traits::kConsumerThreads / 32);
     }
     typename KPipe::Params k_params;
     k_params.role = is_producer ? PipeRole::Producer : PipeRole::Consumer;
@@ -110,9 +112,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
         const int ctid = int(threadIdx.x) - 128;
-        if constexpr (Traits::kPingPong) ConsumerTurns<Traits::kConsumerWarpGroups>::start(ctid / 128);
+        if constexpr (Traits::kPingPong) ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
         typename Traits::PipeState k_state, v_state;
         int q_phase = 0;
+        int out_phase = 0;  // parity of keys_read / values_read, one phase per staged tile
         typename Traits::MmaPV mma_pv;
         int taken = 0;
         for (int unit = ss.tiles.pop(taken++); sched.valid(unit);) {
@@ -124,6 +127,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 partition_fragment_C(mma_pv, Shape<typename Traits::BM, typename Traits::D>{});
             constexpr int kRows = decltype(size<0>(wgmma_acc_as_rows_cols(acc_o.layout())))::value;
             float lse[kRows];
+            // O goes out through a K/V stage of the tile (batched tiles with keys).
+            const bool staged = Mainloop::staged_output(a.p) && g.has_keys();
             if (g.has_keys()) {
                 Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
                                   t.bidh, g, acc_o, lse);
@@ -133,7 +138,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 CUTE_UNROLL
                 for (int r = 0; r < kRows; ++r) lse[r] = INFINITY;
             }
-            Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
+            if (staged) {
+                Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state, out_phase, seq,
+                                       t.bidb, t.bidh, g, acc_o, lse);
+                out_phase ^= 1;
+            } else {
+                Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
+            }
             unit = ss.tiles.pop(taken++);
         }
     }
@@ -185,6 +196,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
                       typename Traits::SmemLayoutQ{}, Shape<BM, D>{}, _1{}),
         Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, p.k_stride)),
         Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, p.v_stride)),
+        make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, p.o_stride),
+                      typename Traits::SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}),
         rows_q,
         rows_k,
         batch,
@@ -260,12 +273,13 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         return;
     }
     const bool band = p.window_left >= 0 || p.window_right >= 0;
-    // The plain kernel's clusters pair query tiles of one sequence: every head needs a whole
+    // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
+    // seqused_k), and its clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
     const int m_blocks = (p.seqlen_q + Plain::kBlockM - 1) / Plain::kBlockM;
-    const bool pairs =
-        Plain::kClusterM == 1 || (!p.is_varlen() && m_blocks % Plain::kClusterM == 0);
-    if (band || !pairs) {
+    const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
+    const bool pairs = m_blocks % Plain::kClusterM == 0;
+    if (band || !batched || !pairs) {
         launch_fwd_sm90<Band>(p, stream);
     } else {
         launch_fwd_sm90<Plain>(p, stream);

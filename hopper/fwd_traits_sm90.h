@@ -19,8 +19,9 @@
 
 namespace flash {
 
-// kBand: a causal or window mask may cut blocks anywhere; without it only the key-length bound
-// can, and only in the first key block the consumers process (the last one in the sequence).
+// kBand: a causal or window mask may cut blocks anywhere, and sequences may end before their
+// tensors do (varlen, seqused_k); without it only the key-length bound can cut a block, and
+// only in the first key block the consumers process (the last one in the sequence).
 // kPackGQA: tiles hold packed rows of a KV head's query heads (FwdParams::pack_gqa); its own
 // instantiation, so the unpacked kernels keep their registers (the packed row mapping costs
 // two in the key loop).
@@ -92,6 +93,23 @@ struct Sm90FwdTraits {
     }
     using TmaKV = decltype(make_tma_kv(std::declval<GmemTensor>()));
 
+    // The output leaves through shared memory and a TMA store (batched tiles; varlen and
+    // packed tiles write from registers). Each consumer group stages its 64 x d slice of O in
+    // the K or V stage its tile read last: no shared memory is free for a buffer of its own at
+    // d >= 128. Slices go into K's stage while they fit, the rest into V's.
+    static constexpr int kSlicesPerStage = kBlockN / 64;
+    static_assert(2 * kSlicesPerStage >= kConsumerWarpGroups, "O slices do not fit a K + V stage");
+    static constexpr bool slice_in_values(int group) { return group >= kSlicesPerStage; }
+    static constexpr bool kAnySliceInValues = kConsumerWarpGroups > kSlicesPerStage;
+    using SmemLayoutOSlice = decltype(tile_to_shape(SmemAtom{}, Shape<_64, D>{}));
+    // One group's share of MmaPV: its accumulator registers, written to the slice with
+    // stmatrix (8 x 8 blocks of 16-bit pairs, the accumulator's own arrangement).
+    using MmaPVGroup = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
+    using StoreOSlice = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaPVGroup{}));
+    using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemTensor>(),
+                                        SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}));
+
     using KPipe = KPipeline<kStages, kClusterM>;
     using VPipe = VPipeline<kStages, kClusterM>;
     using PipeState = cutlass::PipelineState<kStages>;
@@ -106,6 +124,10 @@ struct Sm90FwdTraits {
         typename KPipe::SharedStorage k_pipe;
         typename VPipe::SharedStorage v_pipe;
         cutlass::arch::ClusterTransactionBarrier q_full;
+        // Every consumer warp arrives once its tile's last S (PV) GEMM is done: a slice may
+        // then overwrite the last K (V) stage.
+        cutlass::arch::ClusterBarrier keys_read;
+        cutlass::arch::ClusterBarrier values_read;
         TileQueue tiles;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -120,6 +142,7 @@ struct Sm90FwdArgs {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
+    typename Traits::TmaO tma_o;
     // Extents of the TMA views (see GmemShape): varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch_q, batch_k;
     TileSchedulerParams sched;

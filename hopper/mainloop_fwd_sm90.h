@@ -156,6 +156,17 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- consumer ----
 
+    // The stage before `state` (a pipeline's release reads only the index).
+    static __device__ PipeState last_stage(PipeState const& state) {
+        return PipeState(state.index() == 0 ? Traits::kStages - 1 : state.index() - 1, 0, 0);
+    }
+
+    // Whether tiles with keys leave through shared memory and a TMA store (the epilogue's
+    // store_staged): batched, unpacked tiles (the plain kernel runs batched tiles only).
+    static __device__ bool staged_output(FwdParams const& p) {
+        return !Traits::kPackGQA && (!Traits::kBand || !p.is_varlen());
+    }
+
     // GQA packing: packed row r of the tile is query row (row0 + r) / G of head
     // kv_head * G + (row0 + r) % G. No TMA box describes those rows for a run-time G, so the
     // consumer warp groups gather them with 16-byte cp.async (head-dim padding zero-filled, as
@@ -185,15 +196,20 @@ struct Sm90FwdMainloop {
 
     // Runs one tile for this consumer warp group: acc_o gets the normalised output, lse the
     // natural-log LSE of this thread's rows. Arrives on kQueryEmpty once Q is no longer read.
+    // With staged_output(p) the epilogue stages O in the tile's last K or V stage
+    // (Traits::SmemLayoutOSlice, the stage before k_state / v_state on return), so this group
+    // keeps that stage instead of releasing it, and every warp arrives on keys_read /
+    // values_read once its last S / PV GEMM is done.
     template <class AccO, int kRows>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
                                    PipeState& k_state, PipeState& v_state, int& q_phase,
                                    SeqInfo const& seq, int bidb, int bidh,
-                                   Sm90TileGeometry const& g, AccO& acc_o, float (&lse)[kRows]) {
+                                   Sm90TileGeometry const& g, AccO& acc_o,
+                                   float (&lse)[kRows]) {
         FwdParams const& p = a.p;
         const int ctid = int(threadIdx.x) - 128;
-        const int group = ctid / 128;
+        const int group = consumer_group();
         const BandMask mask = seq.mask(p);
 
         Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
@@ -241,6 +257,7 @@ struct Sm90FwdMainloop {
         // 0 * NaN is NaN: zero them before the first PV GEMM reads the block. Batched tensors
         // without seqused_k end at the sequence, and TMA zero-fills past a tensor's end.
         auto clear_v_tail = [&](int n) {
+            if constexpr (!Traits::kBand) return;  // batched only (run_fwd_sm90)
             const int valid = seq.seqlen_k - n * kBlockN;
             if (valid >= kBlockN || !(p.is_varlen() || p.seqused_k != nullptr)) return;
             Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
@@ -253,10 +270,17 @@ struct Sm90FwdMainloop {
             barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
         };
 
-        // After the tile's last S GEMM has read Q: the producer may load the next tile's Q
-        // while this one finishes (the epilogue does not use shared memory).
-        auto release_query = [] {
-            barrier_arrive(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
+        // After the S GEMM of block n: K's stage is free (the tile's last one is let go after
+        // the last PV GEMM, or by the epilogue), and after the tile's last S GEMM Q too (the
+        // producer loads the next tile's Q while this one finishes). Nothing here is kept in a
+        // register through the key loop: at d=128 the plain kernel's loop spilled.
+        auto keys_done = [&](int n) {
+            if (n != g.n_first) k_pipe.consumer_release(k_state);
+            ++k_state;
+            if (n == g.n_first) {
+                barrier_arrive(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
+                if (staged_output(p) && cute::elect_one_sync()) ss.keys_read.arrive();
+            }
         };
 
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
@@ -271,9 +295,7 @@ struct Sm90FwdMainloop {
         wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
         pass_turn();
         warpgroup_wait<0>();
-        k_pipe.consumer_release(k_state);
-        ++k_state;
-        if (n == g.n_first) release_query();
+        keys_done(n);
         float corr[kRows];
         scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
@@ -292,9 +314,7 @@ struct Sm90FwdMainloop {
             wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
             pass_turn();
             warpgroup_wait<1>();
-            k_pipe.consumer_release(k_state);
-            ++k_state;
-            if (n == g.n_first) release_query();
+            keys_done(n);
             scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
@@ -312,8 +332,12 @@ struct Sm90FwdMainloop {
         wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
         pass_turn();
         warpgroup_wait<0>();
-        v_pipe.consumer_release(v_state);
+        // The tile's last stages, unless the epilogue stages this group's O slice in one.
+        const bool staged = staged_output(p);
+        if (!staged || Traits::slice_in_values(group)) k_pipe.consumer_release(last_stage(k_state));
+        if (!staged || !Traits::slice_in_values(group)) v_pipe.consumer_release(v_state);
         ++v_state;
+        if (staged && Traits::kAnySliceInValues && cute::elect_one_sync()) ss.values_read.arrive();
 
         softmax.finalize(o_rc, p.scale_log2, lse);
     }

@@ -21,7 +21,21 @@ enum class NamedBarrier : int {
     kTurnConsumer0 = 3,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
     kTurnConsumer1 = 4,
     kTurnConsumer2 = 5,
+    kEpilogue0 = 6,  // the 128 threads of consumer warp group g: kEpilogue0 + g
+    kEpilogue1 = 7,
+    kEpilogue2 = 8,
 };
+
+__forceinline__ __device__ NamedBarrier epilogue_barrier(int group) {
+    return NamedBarrier(int(NamedBarrier::kEpilogue0) + group);
+}
+
+// This thread's consumer warp group (0 for threads 128-255). Read through a shuffle so that
+// ptxas knows it is warp-uniform: branches on it then keep the uniform datapath (the pipeline
+// stage arithmetic of the key loop moved to vector registers and spilled without it).
+__forceinline__ __device__ int consumer_group() {
+    return __shfl_sync(0xffffffff, int(threadIdx.x) / 128 - 1, 0);
+}
 
 __forceinline__ __device__ void barrier_sync(NamedBarrier id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
