@@ -93,10 +93,11 @@ struct Sm90FwdTraits {
     }
     using TmaKV = decltype(make_tma_kv(std::declval<GmemTensor>()));
 
-    // The output leaves through shared memory and a TMA store (batched tiles; varlen and
-    // packed tiles write from registers). Each consumer group stages its 64 x d slice of O in
+    // The output leaves through shared memory and a TMA store (batched tiles, d >= 128; the
+    // others write from registers). Each consumer group stages its 64 x d slice of O in
     // the K or V stage its tile read last: no shared memory is free for a buffer of its own at
     // d >= 128. Slices go into K's stage while they fit, the rest into V's.
+    static constexpr bool kStagedOutput = kHeadDim >= 128 && !kPackGQA;
     static constexpr int kSlicesPerStage = kBlockN / 64;
     static_assert(2 * kSlicesPerStage >= kConsumerWarpGroups, "O slices do not fit a K + V stage");
     static constexpr bool slice_in_values(int group) { return group >= kSlicesPerStage; }

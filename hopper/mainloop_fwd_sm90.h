@@ -162,9 +162,10 @@ struct Sm90FwdMainloop {
     }
 
     // Whether tiles with keys leave through shared memory and a TMA store (the epilogue's
-    // store_staged): batched, unpacked tiles (the plain kernel runs batched tiles only).
+    // store_staged): batched, unpacked tiles (the plain kernel runs batched tiles only), d >= 128.
+    // Below, a thread's O is four 16-byte stores, and staging lost 1-3.5% (NOTES SM90 item 30).
     static __device__ bool staged_output(FwdParams const& p) {
-        return !Traits::kPackGQA && (!Traits::kBand || !p.is_varlen());
+        return Traits::kStagedOutput && (!Traits::kBand || !p.is_varlen());
     }
 
     // GQA packing: packed row r of the tile is query row (row0 + r) / G of head
@@ -270,12 +271,12 @@ struct Sm90FwdMainloop {
             barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
         };
 
-        // After the S GEMM of block n: K's stage is free (the tile's last one is let go after
-        // the last PV GEMM, or by the epilogue), and after the tile's last S GEMM Q too (the
-        // producer loads the next tile's Q while this one finishes). Nothing here is kept in a
-        // register through the key loop: at d=128 the plain kernel's loop spilled.
+        // After the S GEMM of block n: K's stage is free (the tile's last one stays with a group
+        // that stages its O slice there), and after the tile's last S GEMM Q too (the producer
+        // loads the next tile's Q while this one finishes).
+        const bool keep_keys = staged_output(p) && !Traits::slice_in_values(group);
         auto keys_done = [&](int n) {
-            if (n != g.n_first) k_pipe.consumer_release(k_state);
+            if (n != g.n_first || !keep_keys) k_pipe.consumer_release(k_state);
             ++k_state;
             if (n == g.n_first) {
                 barrier_arrive(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
@@ -332,9 +333,8 @@ struct Sm90FwdMainloop {
         wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
         pass_turn();
         warpgroup_wait<0>();
-        // The tile's last stages, unless the epilogue stages this group's O slice in one.
+        // The tile's last V stage, unless the epilogue stages this group's O slice in it.
         const bool staged = staged_output(p);
-        if (!staged || Traits::slice_in_values(group)) k_pipe.consumer_release(last_stage(k_state));
         if (!staged || !Traits::slice_in_values(group)) v_pipe.consumer_release(v_state);
         ++v_state;
         if (staged && Traits::kAnySliceInValues && cute::elect_one_sync()) ss.values_read.arrive();
