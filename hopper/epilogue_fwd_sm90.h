@@ -1,11 +1,11 @@
 // Epilogue of the SM90 forward. O arrives normalised, fp32 in registers; the LSE is written from
 // registers. Two ways out for O:
-//  - store_staged (batched tiles): each consumer group converts its 64 x d slice, writes it with
+//  - store_staged (batched tiles, d >= 128): each consumer group converts its 64 x d slice, writes it with
 //    stmatrix into the tile's last K or V stage (the mainloop kept that stage) and one thread
 //    issues a TMA store; the stage goes back to the producer once the TMA has read it. The
 //    group's own stores then take a few instructions, and the writes to HBM drain while the
 //    next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
-//  - store (varlen, packed GQA, tiles without keys): regrouped within each quad of lanes so
+//  - store (varlen, packed GQA, d <= 64, tiles without keys): regrouped within each quad of lanes so
 //    that a lane holds 8 neighbouring columns, written with 16-byte stores predicated on the
 //    sequence's rows, so varlen tiles never touch a neighbouring sequence.
 // Neither uses the Q buffer, so the next tile's Q loads while this one finishes.
@@ -50,7 +50,7 @@ struct Sm90FwdEpilogue {
     using BM = typename Traits::BM;
     using D = typename Traits::D;
 
-    // Run by every consumer thread after a tile computed with `staged` (see the mainloop);
+    // Run by every consumer thread after a tile with keys when Mainloop::staged_output holds;
     // k_state / v_state are past the tile's last stages. `phase`: parity of the tile's
     // keys_read / values_read completion.
     template <class AccO, int kRows>
@@ -92,10 +92,9 @@ struct Sm90FwdEpilogue {
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, then the TMA reads
         barrier_sync(epilogue_barrier(group), 128);
         if (ctid % 128 == 0) {
-            Tensor gO = local_tile(
-                Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
-                                                   a.batch_q, bidh, bidb, 0),
-                Shape<_64, D>{}, make_coord(g.row0 / 64 + group, _0{}));
+            Tensor gO = local_tile(Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
+                                                       a.batch_q, bidh, bidb, 0),
+                                   Shape<_64, D>{}, make_coord(g.row0 / 64 + group, _0{}));
             auto to = tma_partition(a.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                     group_modes<0, 2>(gO));
             copy(a.tma_o, get<1>(to), get<0>(to));
