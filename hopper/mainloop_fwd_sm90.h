@@ -201,13 +201,17 @@ struct Sm90FwdMainloop {
     // (Traits::SmemLayoutOSlice, the stage before k_state / v_state on return), so this group
     // keeps that stage instead of releasing it, and every warp arrives on keys_read /
     // values_read once its last S / PV GEMM is done.
-    template <class AccO, int kRows>
+    // `idle` (compile-time): this group's 64 rows all lie past the sequence (the last tile of a
+    // sequence whose length is not a multiple of block_m). It then issues no GEMMs and computes
+    // no softmax, so the other groups get the tensor cores to themselves, but it keeps every
+    // wait, release, turn and barrier of the tile; its rows are never stored.
+    template <class AccO, int kRows, bool kIdle>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
                                    PipeState& k_state, PipeState& v_state, int& q_phase,
                                    SeqInfo const& seq, int bidb, int bidh,
                                    Sm90TileGeometry const& g, AccO& acc_o,
-                                   float (&lse)[kRows]) {
+                                   float (&lse)[kRows], cute::bool_constant<kIdle>) {
         FwdParams const& p = a.p;
         const int ctid = int(threadIdx.x) - 128;
         const int group = consumer_group();
@@ -285,6 +289,12 @@ struct Sm90FwdMainloop {
         };
 
         Tensor acc_s = partition_fragment_C(mma_qk, Shape<BM, BN>{});
+        float corr[kRows];
+        if constexpr (kIdle) {
+            clear(acc_s);  // what the skipped steps leave behind must still be defined
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) corr[r] = 1.f;
+        }
         ss.q_full.wait(q_phase);
         q_phase ^= 1;
         if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
@@ -293,12 +303,11 @@ struct Sm90FwdMainloop {
         int n = g.n_last - 1;
         k_pipe.consumer_wait(k_state);
         take_turn();
-        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+        if constexpr (!kIdle) wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
         pass_turn();
         warpgroup_wait<0>();
         keys_done(n);
-        float corr[kRows];
-        scores(acc_s, n, corr, cute::true_type{});
+        if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
@@ -311,12 +320,14 @@ struct Sm90FwdMainloop {
             v_pipe.consumer_wait(v_state);
             if (n == g.n_last - 2) clear_v_tail(n + 1);
             take_turn();
-            wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
-            wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+            if constexpr (!kIdle) {
+                wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+                wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+            }
             pass_turn();
             warpgroup_wait<1>();
             keys_done(n);
-            scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
+            if constexpr (!kIdle) scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
             v_pipe.consumer_release(v_state);
@@ -330,7 +341,7 @@ struct Sm90FwdMainloop {
         v_pipe.consumer_wait(v_state);
         if (g.n_first == g.n_last - 1) clear_v_tail(g.n_first);
         take_turn();
-        wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+        if constexpr (!kIdle) wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
         pass_turn();
         warpgroup_wait<0>();
         // The tile's last V stage, unless the epilogue stages this group's O slice in it.
