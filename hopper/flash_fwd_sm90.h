@@ -129,9 +129,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             float lse[kRows];
             // O goes out through a K/V stage of the tile (batched tiles with keys).
             const bool staged = Mainloop::staged_output(a.p) && g.has_keys();
-            if (g.has_keys() && consumer_group() * 64 >= g.rows) {
+            if (g.has_keys() && Traits::kSkipIdleGroups && consumer_group() * 64 >= g.rows) {
                 Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
-                                  t.bidh, g, acc_o, lse, cute::true_type{});
+                                  t.bidh, g, acc_o, lse,
+                                  cute::bool_constant<Traits::kSkipIdleGroups>{});
             } else if (g.has_keys()) {
                 Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
                                   t.bidh, g, acc_o, lse, cute::false_type{});
