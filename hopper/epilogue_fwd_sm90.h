@@ -68,13 +68,13 @@ struct Sm90FwdEpilogue {
         const int group = consumer_group();
         const bool in_values = Traits::slice_in_values(group);
         using Mainloop = Sm90FwdMainloop<Traits>;
-        const typename Traits::PipeState k_last = Mainloop::last_stage(k_state);
-        const typename Traits::PipeState v_last = Mainloop::last_stage(v_state);
+        // The stage this group kept: the one before the state's (a release reads the index only).
+        const int next = in_values ? v_state.index() : k_state.index();
+        const typename Traits::PipeState last(next == 0 ? Traits::kStages - 1 : next - 1, 0, 0);
         constexpr int kStageElems = Traits::kBlockN * D::value;
         constexpr int kSliceElems = 64 * D::value;
-        T* slice = in_values ? ss.v.data() + v_last.index() * kStageElems +
-                                   (group - Traits::kSlicesPerStage) * kSliceElems
-                             : ss.k.data() + k_last.index() * kStageElems + group * kSliceElems;
+        T* slice = (in_values ? ss.v.data() : ss.k.data()) + last.index() * kStageElems +
+                   (in_values ? group - Traits::kSlicesPerStage : group) * kSliceElems;
         // The other groups may still read this stage with their last GEMM.
         if (in_values) {
             ss.values_read.wait(phase);
@@ -103,9 +103,9 @@ struct Sm90FwdEpilogue {
         }
         barrier_sync(epilogue_barrier(group), 128);
         if (in_values) {
-            v_pipe.consumer_release(v_last);
+            v_pipe.consumer_release(last);
         } else {
-            k_pipe.consumer_release(k_last);
+            k_pipe.consumer_release(last);
         }
 
         typename Traits::MmaPV mma_pv;

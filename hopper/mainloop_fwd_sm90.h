@@ -156,11 +156,6 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- consumer ----
 
-    // The stage before `state` (a pipeline's release reads only the index).
-    static __device__ PipeState last_stage(PipeState const& state) {
-        return PipeState(state.index() == 0 ? Traits::kStages - 1 : state.index() - 1, 0, 0);
-    }
-
     // Whether tiles with keys leave through shared memory and a TMA store (the epilogue's
     // store_staged): batched, unpacked tiles (the plain kernel runs batched tiles only), d >= 128.
     // Below, a thread's O is four 16-byte stores, and staging lost 1-3.5% (NOTES SM90 item 30).
