@@ -211,6 +211,10 @@ struct Sm90FwdMainloop {
         const int ctid = int(threadIdx.x) - 128;
         const int group = consumer_group();
         const BandMask mask = seq.mask(p);
+        // This group's 64 rows as query rows: the mask is decided per group, not per tile.
+        const int group_row0 = g.row0 + 64 * group;
+        const int group_q_row0 = group_row0 / pack_factor(p);
+        const int group_q_span = (group_row0 + 63) / pack_factor(p) - group_q_row0 + 1;
 
         Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
@@ -245,7 +249,7 @@ struct Sm90FwdMainloop {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
             if constexpr (decltype(may_mask)::value) {
-                if (mask.tile_needs_mask(g.q_row0, g.q_span, n * kBlockN, kBlockN)) {
+                if (mask.tile_needs_mask(group_q_row0, group_q_span, n * kBlockN, kBlockN)) {
                     apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, pack_factor(p));
                 }
             }
@@ -294,14 +298,49 @@ struct Sm90FwdMainloop {
         q_phase ^= 1;
         if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
 
-        // First block: S only.
+        // Band tiles: the first key blocks (the rightmost) can lie wholly right of this group's
+        // rows, past the causal diagonal or the window. The group then keeps those blocks'
+        // waits, releases and turns but issues no GEMMs for them, so the groups with work get
+        // the tensor cores sooner. It computes at least the tile's last block (n_first): rows
+        // that see no key at all keep the softmax's fully masked path.
         int n = g.n_last - 1;
+        if constexpr (Traits::kBand && !kIdle) {
+            int group_first, group_last;
+            mask.key_block_range(group_q_row0, group_q_span, kBlockN, group_first, group_last);
+            const int n_top = max(group_last, g.n_first + 1);
+            for (; n >= n_top; --n) {
+                k_pipe.consumer_wait(k_state);
+                if (n < g.n_last - 1) {
+                    v_pipe.consumer_wait(v_state);
+                    if (n == g.n_last - 2) clear_v_tail(n + 1);
+                }
+                take_turn();
+                pass_turn();
+                keys_done(n);
+                if (n < g.n_last - 1) {
+                    v_pipe.consumer_release(v_state);
+                    ++v_state;
+                }
+            }
+        }
+        // The V stage of the last skipped block: waited and released with the first block.
+        const bool v_held = n < g.n_last - 1;
+
+        // First block: S only.
         k_pipe.consumer_wait(k_state);
+        if (v_held) {
+            v_pipe.consumer_wait(v_state);
+            if (n == g.n_last - 2) clear_v_tail(n + 1);
+        }
         take_turn();
         if constexpr (!kIdle) wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
         pass_turn();
         warpgroup_wait<0>();
         keys_done(n);
+        if (v_held) {
+            v_pipe.consumer_release(v_state);
+            ++v_state;
+        }
         if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
