@@ -111,7 +111,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         v_pipe.producer_tail(v_state);
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-        const int ctid = int(threadIdx.x) - 128;
         if constexpr (Traits::kPingPong) ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
         typename Traits::PipeState k_state, v_state;
         int q_phase = 0;
