@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, no mask
-# with an even number of query tiles, and varlen with an empty sequence) on the kernels of the
+# compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, causal
+# over several key blocks, no mask with an even number of query tiles, and varlen with an empty
+# sequence) on the kernels of the
 # current build. Run from the repo root on a GPU machine after building (e.g.
 # `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
@@ -25,12 +26,15 @@ q = torch.randn(b, 77, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v, causal=True)
+# Causal over several key blocks: the upper consumer groups of a tile skip its last key blocks.
+q, k, v = (torch.randn(1, 300, h, d, device="cuda", dtype=dt) for _ in range(3))
+run(flash_attn_func, q, k, v, causal=True)
 # No mask, an even number of query tiles: the SM90 cluster kernel (K/V multicast) from d = 128.
 q = torch.randn(b, 256, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v)
-lens_q, lens_k = [5, 0, 70, 1], [9, 3, 64, 0]
+lens_q, lens_k = [5, 0, 70, 1, 300], [9, 3, 64, 0, 300]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
 cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
 q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dt)
