@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, causal
 # over several key blocks, no mask with an even number of query tiles, and varlen with an empty
-# sequence) on the kernels of the
-# current build. Run from the repo root on a GPU machine after building (e.g.
-# `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool reports an error.
+# sequence) on the kernels of the current build. Run from the repo root on a GPU machine after
+# building (e.g. `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool
+# reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -26,7 +26,8 @@ q = torch.randn(b, 77, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 150, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v, causal=True)
-# Causal over several key blocks: the upper consumer groups of a tile skip its last key blocks.
+# Causal over several key blocks: the consumer groups holding a tile's first rows skip the
+# key blocks right of those rows.
 q, k, v = (torch.randn(1, 300, h, d, device="cuda", dtype=dt) for _ in range(3))
 run(flash_attn_func, q, k, v, causal=True)
 # No mask, an even number of query tiles: the SM90 cluster kernel (K/V multicast) from d = 128.
