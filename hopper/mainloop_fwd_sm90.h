@@ -274,6 +274,17 @@ struct Sm90FwdMainloop {
             barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
         };
 
+        // V of block n + 1, the PV GEMM's operand in the step of block n: wait for its stage (and
+        // clear its tail if it is the sequence's last block), and release it after that GEMM.
+        auto values_wait = [&](int n) {
+            v_pipe.consumer_wait(v_state);
+            if (n == g.n_last - 2) clear_v_tail(n + 1);
+        };
+        auto values_done = [&] {
+            v_pipe.consumer_release(v_state);
+            ++v_state;
+        };
+
         // After the S GEMM of block n: K's stage is free (the tile's last one stays with a group
         // that stages its O slice there), and after the tile's last S GEMM Q too (the producer
         // loads the next tile's Q while this one finishes).
@@ -310,17 +321,11 @@ struct Sm90FwdMainloop {
             const int n_top = max(group_last, g.n_first + 1);
             for (; n >= n_top; --n) {
                 k_pipe.consumer_wait(k_state);
-                if (n < g.n_last - 1) {
-                    v_pipe.consumer_wait(v_state);
-                    if (n == g.n_last - 2) clear_v_tail(n + 1);
-                }
+                if (n < g.n_last - 1) values_wait(n);
                 take_turn();
                 pass_turn();
                 keys_done(n);
-                if (n < g.n_last - 1) {
-                    v_pipe.consumer_release(v_state);
-                    ++v_state;
-                }
+                if (n < g.n_last - 1) values_done();
             }
         }
         // The V stage of the last skipped block: waited and released with the first block.
@@ -328,19 +333,13 @@ struct Sm90FwdMainloop {
 
         // First block: S only.
         k_pipe.consumer_wait(k_state);
-        if (v_held) {
-            v_pipe.consumer_wait(v_state);
-            if (n == g.n_last - 2) clear_v_tail(n + 1);
-        }
+        if (v_held) values_wait(n);
         take_turn();
         if constexpr (!kIdle) wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
         pass_turn();
         warpgroup_wait<0>();
         keys_done(n);
-        if (v_held) {
-            v_pipe.consumer_release(v_state);
-            ++v_state;
-        }
+        if (v_held) values_done();
         if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{});
         Tensor rP = convert_fragment<T>(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
@@ -351,8 +350,7 @@ struct Sm90FwdMainloop {
         // one basic block, which leaves the softmax no GEMM to overlap).
         for (--n; n >= g.n_first; --n) {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
-            v_pipe.consumer_wait(v_state);
-            if (n == g.n_last - 2) clear_v_tail(n + 1);
+            values_wait(n);
             take_turn();
             if constexpr (!kIdle) {
                 wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
@@ -364,16 +362,14 @@ struct Sm90FwdMainloop {
             if constexpr (!kIdle) scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
-            v_pipe.consumer_release(v_state);
-            ++v_state;
+            values_done();
             OnlineSoftmax<kRows>::rescale(o_rc, corr);
             rP = convert_fragment<T>(acc_s);
         }
 
         // Last block: O += P V only.
         Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
-        v_pipe.consumer_wait(v_state);
-        if (g.n_first == g.n_last - 1) clear_v_tail(g.n_first);
+        values_wait(n);  // n == n_first - 1 here
         take_turn();
         if constexpr (!kIdle) wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
         pass_turn();
