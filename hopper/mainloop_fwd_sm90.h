@@ -244,8 +244,9 @@ struct Sm90FwdMainloop {
         };
 
         // softcap, then the mask where the block needs one (`may_mask` false: the caller knows
-        // it does not), then the online softmax.
-        auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask) {
+        // it does not), then the online softmax (`lazy`: blocks after the first keep the running
+        // max unless it moved by a margin).
+        auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask, auto lazy) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
             if constexpr (decltype(may_mask)::value) {
@@ -253,7 +254,11 @@ struct Sm90FwdMainloop {
                     apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, pack_factor(p));
                 }
             }
-            softmax.update_scores(s_rc, p.scale_log2, corr);
+            if constexpr (decltype(lazy)::value) {
+                softmax.update_scores_lazy(s_rc, p.scale_log2, corr);
+            } else {
+                softmax.update_scores(s_rc, p.scale_log2, corr);
+            }
         };
 
         // V rows past the sequence's end in its last block were read from whatever memory holds
@@ -340,7 +345,7 @@ struct Sm90FwdMainloop {
         warpgroup_wait<0>();
         keys_done(n);
         if (v_held) values_done();
-        if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{});
+        if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{}, cute::false_type{});
         Tensor rP = convert_fragment<T>(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
@@ -359,7 +364,7 @@ struct Sm90FwdMainloop {
             pass_turn();
             warpgroup_wait<1>();
             keys_done(n);
-            if constexpr (!kIdle) scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{});
+            if constexpr (!kIdle) scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
             values_done();

@@ -120,6 +120,39 @@ struct OnlineSoftmax {
         }
     }
 
+    // update_scores() for a block after the first: the exps keep the running max unless a row of
+    // this warp rises more than kLazyMargin (log2 units) above it. On that common path the exps
+    // need no quad shuffle and corr is 1 (the output is not rescaled); P then reaches at most
+    // 2^kLazyMargin, which fp32 sums and bf16/fp16 (relative precision) hold as well as 1.
+    // A warp-wide vote keeps the branch uniform.
+    static constexpr float kLazyMargin = 8.f;
+    template <class S>
+    __forceinline__ __device__ void update_scores_lazy(S& s, float scale_log2,
+                                                       float (&corr)[kRows]) {
+        float m_scaled[kRows];
+        bool rises = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            // A row with no key so far (-inf) rises with its first finite score.
+            const bool none = row_max[r] == -INFINITY;
+            m_scaled[r] = none ? 0.f : row_max[r] * scale_log2;
+            const float limit = none ? -INFINITY : m_scaled[r] + kLazyMargin;
+            rises |= row_reduce<MaxOp>(s, r) * scale_log2 > limit;
+        }
+        if (__any_sync(0xffffffffu, rises)) {
+            update_scores(s, scale_log2, corr);
+            return;
+        }
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            corr[r] = 1.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s); ++c)
+                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
+            row_sum[r] += row_reduce<SumOp>(s, r);
+        }
+    }
+
     // o *= corr, row by row.
     template <class O>
     __forceinline__ __device__ static void scale_rows(O& o, float const (&corr)[kRows]) {
