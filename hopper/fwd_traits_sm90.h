@@ -135,6 +135,9 @@ struct Sm90FwdTraits {
         cutlass::arch::ClusterBarrier keys_read;
         cutlass::arch::ClusterBarrier values_read;
         TileQueue tiles;
+        // Each consumer thread's rounding terms of the lazy softmax (OnlineSoftmax::
+        // update_scores_lazy), two rows each: shared memory, not registers (see there).
+        float row_err[kConsumerThreads * 2];
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
     static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");

@@ -232,6 +232,10 @@ struct Sm90FwdMainloop {
         Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
         Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
         OnlineSoftmax<kRows> softmax;
+        static_assert(kRows == 2, "SharedStorage::row_err holds two rows per thread");
+        float* row_err = ss.row_err + kRows * ctid;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) row_err[r] = 0.f;
         clear(acc_o);
 
         // Turns between the consumer warp groups: wait for ours, pass it on once issued.
@@ -255,7 +259,7 @@ struct Sm90FwdMainloop {
                 }
             }
             if constexpr (decltype(lazy)::value) {
-                softmax.update_scores_lazy(s_rc, p.scale_log2, corr);
+                softmax.template update_scores_lazy<T>(s_rc, p.scale_log2, corr, row_err);
             } else {
                 softmax.update_scores(s_rc, p.scale_log2, corr);
             }
@@ -385,7 +389,7 @@ struct Sm90FwdMainloop {
         ++v_state;
         if (staged && Traits::kAnySliceInValues && cute::elect_one_sync()) ss.values_read.arrive();
 
-        softmax.finalize(o_rc, p.scale_log2, lse);
+        softmax.finalize(o_rc, p.scale_log2, lse, row_err);
     }
 
 };

@@ -67,6 +67,18 @@ __forceinline__ __device__ float row_reduce(S const& s, int r) {
     return Op::apply(Op::apply(part[0], part[1]), Op::apply(part[2], part[3]));
 }
 
+// x rounded to nearest (ties to even) at T's precision (bf16: 8 significant bits, fp16: 11),
+// kept in fp32: integer ops only, so the uniform datapath is left to the GEMM descriptors.
+// Exact for T's normal range; below it (P < 2^-14 in fp16) it rounds finer than T, which only
+// matters for terms far too small to move a row's output.
+template <class T>
+__forceinline__ __device__ float round_to(float x) {
+    constexpr int kDropped = std::is_same_v<T, cutlass::half_t> ? 13 : 16;
+    const uint32_t bits = __float_as_uint(x);
+    const uint32_t half = (1u << (kDropped - 1)) - 1 + ((bits >> kDropped) & 1u);
+    return __uint_as_float((bits + half) & ~((1u << kDropped) - 1));
+}
+
 // Online softmax over key tiles for the rows this thread holds.
 template <int kRows>
 struct OnlineSoftmax {
@@ -125,11 +137,18 @@ struct OnlineSoftmax {
     // need no quad shuffle and corr is 1 (the output is not rescaled); P then reaches at most
     // 2^kLazyMargin, which fp32 sums and bf16/fp16 (relative precision) hold as well as 1.
     // A warp-wide vote keeps the branch uniform.
+    // A row's largest P is then no longer exactly 1 but rounded to T for the PV GEMM, which in a
+    // row dominated by one key costs up to half an ulp of T in the output. `err` (this thread's
+    // kRows floats, in shared memory: two more live registers slowed the key loops by 3-16%)
+    // collects that rounding of each thread's largest entry for the output's normaliser
+    // (finalize()), so such a row's output stays as exact as with max-1 exps; the LSE keeps the
+    // exact sum.
     static constexpr float kLazyMargin = 8.f;
-    template <class S>
+    template <class T, class S>
     __forceinline__ __device__ void update_scores_lazy(S& s, float scale_log2,
-                                                       float (&corr)[kRows]) {
+                                                       float (&corr)[kRows], float* err) {
         float m_scaled[kRows];
+        float top_err[kRows];
         bool rises = false;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
@@ -137,15 +156,22 @@ struct OnlineSoftmax {
             const bool none = row_max[r] == -INFINITY;
             m_scaled[r] = none ? 0.f : row_max[r] * scale_log2;
             const float limit = none ? -INFINITY : m_scaled[r] + kLazyMargin;
-            rises |= row_reduce<MaxOp>(s, r) * scale_log2 > limit;
+            const float m_thread = row_reduce<MaxOp>(s, r);
+            rises |= m_thread * scale_log2 > limit;
+            // Off the exps' path: only the lazy branch below reads it.
+            const float top = exp2f(m_thread * scale_log2 - m_scaled[r]);
+            top_err[r] = round_to<T>(top) - top;
         }
         if (__any_sync(0xffffffffu, rises)) {
             update_scores(s, scale_log2, corr);
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) err[r] *= corr[r];
             return;
         }
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             corr[r] = 1.f;
+            err[r] += top_err[r];
             CUTE_UNROLL
             for (int c = 0; c < size<1>(s); ++c)
                 s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
@@ -176,13 +202,16 @@ struct OnlineSoftmax {
     }
 
     // Normalises `o` and returns the natural-log LSE per row (+inf for rows that kept nothing).
+    // `err`: update_scores_lazy()'s rounding terms, added to the output's normaliser only.
     template <class O>
-    __forceinline__ __device__ void finalize(O& o, float scale_log2, float (&lse)[kRows]) {
+    __forceinline__ __device__ void finalize(O& o, float scale_log2, float (&lse)[kRows],
+                                             float const* err = nullptr) {
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             float sum = quad_sum(row_sum[r]);
             bool empty = sum == 0.f || sum != sum;
-            float inv = empty ? 0.f : 1.f / sum;
+            float norm = err == nullptr ? sum : quad_sum(row_sum[r] + err[r]);
+            float inv = empty ? 0.f : 1.f / norm;
             lse[r] = empty ? INFINITY : (row_max[r] * scale_log2 + __log2f(sum)) * float(M_LN2);
             CUTE_UNROLL
             for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
