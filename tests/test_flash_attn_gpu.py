@@ -209,6 +209,36 @@ def test_lse(case: Case):
 
 
 # ---------------------------------------------------------------------------------------------
+# Row maxima that keep rising across key blocks, forward only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rise", ["toward_end", "toward_start"])
+def test_rising_row_max(rise: str, causal: bool, d: int, dtype: str):
+    """Keys scaled by a ramp along the sequence, queries sharpened: a row's max moves in steps
+    both below and above the lazy softmax's margin from one key block to the next (whichever
+    order the kernel visits the blocks in), and rows are dominated by a few keys, where the
+    rounding of the largest P shows in the output."""
+    torch.manual_seed(2)
+    sq, sk = 512, 2048
+    ramp = torch.linspace(0.25, 4.0, sk, device="cuda")
+    if rise == "toward_start":
+        ramp = ramp.flip(0)
+    q = rand(1, sq, 2, d, dtype=torch.float32, requires_grad=False) * 3
+    k = rand(1, sk, 2, d, dtype=torch.float32, requires_grad=False) * ramp[None, :, None, None]
+    v = rand(1, sk, 2, d, dtype=torch.float32, requires_grad=False)
+    q, k, v = (x.to(DTYPES[dtype]) for x in (q, k, v))
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, causal=causal)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_lse("softmax_lse", lse, lse_ref)
+
+
+# ---------------------------------------------------------------------------------------------
 # GQA / MQA
 # ---------------------------------------------------------------------------------------------
 
