@@ -56,7 +56,8 @@ struct Sm90FwdTile {
 // groups of 64 rows each run WGMMA. The per-thread registers (consumers raise theirs to 240) hold
 // S (block_n / 2 floats), P (block_n / 4) and O (d / 2 floats), twice over S/P while the next
 // block's S GEMM overlaps this block's softmax. Shared memory (227 KiB) holds Q and `stages`
-// K and V tiles: block_n shrinks as d grows so that both fit.
+// K and V tiles: block_n shrinks as d grows so that both fit (the d=128 band and d=256 tiles,
+// with the pipelines' barriers and the lazy softmax's 2 KiB of rounding terms, use all of it).
 // Every kernel is persistent (hopper/tile_scheduler.h). `band` (causal or window mask, and the
 // shapes the cluster kernel cannot pair): tiles differ in length, so they are handed out longest
 // first through a global counter, and block_n = 128 at d = 128 wastes less on the diagonal.
