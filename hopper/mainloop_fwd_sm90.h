@@ -368,7 +368,9 @@ struct Sm90FwdMainloop {
             pass_turn();
             warpgroup_wait<1>();
             keys_done(n);
-            if constexpr (!kIdle) scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
+            if constexpr (!kIdle) {
+                scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
+            }
             if (n > g.n_first) k_pipe.consumer_wait(k_state);
             warpgroup_wait<0>();
             values_done();

@@ -68,7 +68,7 @@ __forceinline__ __device__ float row_reduce(S const& s, int r) {
 }
 
 // x rounded to nearest (ties to even) at T's precision (bf16: 8 significant bits, fp16: 11),
-// kept in fp32: integer ops only, so the uniform datapath is left to the GEMM descriptors.
+// kept in fp32: what the conversion of P for the PV GEMM does to x, in three integer ops.
 // Exact for T's normal range; below it (P < 2^-14 in fp16) it rounds finer than T, which only
 // matters for terms far too small to move a row's output.
 template <class T>
