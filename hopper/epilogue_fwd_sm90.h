@@ -1,13 +1,13 @@
 // Epilogue of the SM90 forward. O arrives normalised, fp32 in registers; the LSE is written from
 // registers. Two ways out for O:
-//  - store_staged (batched tiles, d >= 128): each consumer group converts its 64 x d slice, writes it with
-//    stmatrix into the tile's last K or V stage (the mainloop kept that stage) and one thread
-//    issues a TMA store; the stage goes back to the producer once the TMA has read it. The
-//    group's own stores then take a few instructions, and the writes to HBM drain while the
-//    next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
-//  - store (varlen, packed GQA, d <= 64, tiles without keys): regrouped within each quad of lanes so
-//    that a lane holds 8 neighbouring columns, written with 16-byte stores predicated on the
-//    sequence's rows, so varlen tiles never touch a neighbouring sequence.
+//  - store_staged (batched tiles, d >= 128): each consumer group converts its 64 x d slice,
+//    writes it with stmatrix into the tile's last K or V stage (the mainloop kept that stage)
+//    and one thread issues a TMA store; the stage goes back to the producer once the TMA has
+//    read it. The group's own stores then take a few instructions, and the writes to HBM drain
+//    while the next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
+//  - store (varlen, packed GQA, d <= 64, tiles without keys): regrouped within each quad of
+//    lanes so that a lane holds 8 neighbouring columns, written with 16-byte stores predicated
+//    on the sequence's rows, so varlen tiles never touch a neighbouring sequence.
 // Neither uses the Q buffer, so the next tile's Q loads while this one finishes.
 #pragma once
 
@@ -82,9 +82,7 @@ struct Sm90FwdEpilogue {
             ss.keys_read.wait(phase);
         }
 
-        Tensor rO = make_tensor<T>(acc_o.layout());
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_o); ++i) rO(i) = T(acc_o(i));
+        Tensor rO = convert_fragment<T>(acc_o);
         Tensor sO = make_tensor(make_smem_ptr(slice), typename Traits::SmemLayoutOSlice{});
         typename Traits::StoreOSlice store;
         auto thr = store.get_thread_slice(ctid % 128);

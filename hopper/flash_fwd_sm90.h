@@ -111,7 +111,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         v_pipe.producer_tail(v_state);
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-        if constexpr (Traits::kPingPong) ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
+        if constexpr (Traits::kPingPong) {
+            ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
+        }
         typename Traits::PipeState k_state, v_state;
         int q_phase = 0;
         int out_phase = 0;  // parity of keys_read / values_read, one phase per staged tile

@@ -68,7 +68,8 @@ __forceinline__ __device__ float row_reduce(S const& s, int r) {
 }
 
 // x rounded to nearest (ties to even) at T's precision (bf16: 8 significant bits, fp16: 11),
-// kept in fp32: what the conversion of P for the PV GEMM does to x, in three integer ops.
+// kept in fp32: what the conversion of P for the PV GEMM does to x, in three integer ops
+// (through cutlass::NumericConverter the d=256 band key loops load 2 more spilled values).
 // Exact for T's normal range; below it (P < 2^-14 in fp16) it rounds finer than T, which only
 // matters for terms far too small to move a row's output.
 template <class T>
@@ -139,7 +140,7 @@ struct OnlineSoftmax {
     // A warp-wide vote keeps the branch uniform.
     // A row's largest P is then no longer exactly 1 but rounded to T for the PV GEMM, which in a
     // row dominated by one key costs up to half an ulp of T in the output. `err` (this thread's
-    // kRows floats, in shared memory: two more live registers slowed the key loops by 3-16%)
+    // kRows floats, in shared memory: two more live registers slowed the key loops by up to 16%)
     // collects that rounding of each thread's largest entry for the output's normaliser
     // (finalize()), so such a row's output stays as exact as with max-1 exps; the LSE keeps the
     // exact sum.
