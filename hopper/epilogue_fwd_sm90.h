@@ -162,7 +162,7 @@ struct Sm90FwdEpilogue {
             CUTE_UNROLL
             for (int m = 0; m < kGroups / 4; ++m) quad_transpose(pairs + 4 * m, quad_lane);
             const int row = get<0>(base) + get<0>(offsets(r, 0));
-            if (row >= g.rows) continue;
+            if (row >= g.rows || row < g.row_begin) continue;
             T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
             float* row_lse = lse_ptr + row;
             if constexpr (Traits::kPackGQA) {

@@ -103,6 +103,12 @@ struct Sm90FwdTraits {
     // the K or V stage its tile read last: no shared memory is free for a buffer of its own at
     // d >= 128. Slices go into K's stage while they fit, the rest into V's.
     static constexpr bool kStagedOutput = kHeadDim >= 128 && !kPackGQA;
+    // Band tiles end at the sequence's last row, so that a partial tile (a sequence length not
+    // a multiple of block_m) is the top one, which under a causal mask sees the fewest keys:
+    // at d=64, causal 1024, 27 instead of 32 tile-blocks per head (NOTES SM90 item 47). Not
+    // where O is staged (its TMA store takes whole 64-row slices) or packed (the row mapping
+    // divides rows by the group size).
+    static constexpr bool kEndAligned = kBand && !kPackGQA && !kStagedOutput;
     static constexpr int kSlicesPerStage = kBlockN / 64;
     static_assert(2 * kSlicesPerStage >= kConsumerWarpGroups, "O slices do not fit a K + V stage");
     static constexpr bool slice_in_values(int group) { return group >= kSlicesPerStage; }

@@ -23,13 +23,18 @@ namespace flash {
 // Where one tile's rows and keys live, as seen by both roles. With GQA packing the tile's rows
 // are packed rows (FwdParams::pack_gqa); q_row0 and q_span give the query rows they cover.
 struct Sm90TileGeometry {
-    int row0;  // first (packed) row of the tile in its sequence
-    int rows;  // (packed) rows of the tile inside the sequence
+    int row0;  // (packed) row of the sequence at the tile's first row; < 0 in an end-aligned
+               // top tile (Traits::kEndAligned)
+    int row_begin, rows;  // the tile's rows [row_begin, rows) lie inside the sequence
     int q_row0, q_span;   // query rows [q_row0, q_row0 + q_span) of the tile's block_m rows
     int n_first, n_last;  // key blocks [n_first, n_last) the tile's rows can see
 
-    __device__ bool has_rows() const { return rows > 0; }
+    __device__ bool has_rows() const { return rows > row_begin; }
     __device__ bool has_keys() const { return n_last > n_first; }
+    // Whether the tile's rows [64 g, 64 g + 64) all lie outside the sequence.
+    __device__ bool group_outside(int group) const {
+        return 64 * group >= rows || 64 * group + 64 <= row_begin;
+    }
 };
 
 template <class Traits>
@@ -53,8 +58,11 @@ struct Sm90FwdMainloop {
                                                 int m_block) {
         const int pack = pack_factor(p);
         Sm90TileGeometry g;
-        g.row0 = m_block * kBlockM;
-        g.rows = min(kBlockM, seq.seqlen_q * pack - g.row0);
+        const int seq_rows = seq.seqlen_q * pack;
+        const int pad = Traits::kEndAligned ? (kBlockM - seq_rows % kBlockM) % kBlockM : 0;
+        g.row0 = m_block * kBlockM - pad;
+        g.row_begin = max(0, -g.row0);
+        g.rows = min(kBlockM, seq_rows - g.row0);
         g.q_row0 = g.row0 / pack;
         g.q_span = (g.row0 + kBlockM - 1) / pack - g.q_row0 + 1;
         seq.mask(p).key_block_range(g.q_row0, g.q_span, kBlockN, g.n_first, g.n_last);
@@ -90,8 +98,12 @@ struct Sm90FwdMainloop {
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
 
+        // An end-aligned top tile starts above the sequence: TMA zero-fills rows before the
+        // tensor's first, and a varlen tile reads the previous sequence's (never stored).
+        const index_t q_shift = g.row0 - m_block * kBlockM;
         Tensor gQ = local_tile(
-            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb, varlen ? seq.row_q : 0),
+            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb,
+                      (varlen ? seq.row_q : 0) + q_shift),
             Shape<BM, D>{}, make_coord(m_block, _0{}));
         Tensor gK = local_tile(
             head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
