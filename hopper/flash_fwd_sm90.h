@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             float lse[kRows];
             // O goes out through a K/V stage of the tile (batched tiles with keys).
             const bool staged = Mainloop::staged_output(a.p) && g.has_keys();
-            // Idle groups (rows all past the sequence) run the loop without GEMMs; the constant
+            // Idle groups (rows all outside the sequence) run the loop without GEMMs; the constant
             // below is false where that is off, so no second copy of the loop is compiled.
             if (g.has_keys() && Traits::kSkipIdleGroups && g.group_outside(consumer_group())) {
                 Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,

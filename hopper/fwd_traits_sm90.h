@@ -41,7 +41,7 @@ struct Sm90FwdTraits {
     static_assert(kClusterM == 1 || !kBand, "band tiles differ in length: no lockstep pairs");
     using Scheduler =
         std::conditional_t<kBand, DynamicTileScheduler, StaticTileScheduler<kClusterM>>;
-    // A consumer group whose rows all lie past the sequence skips its GEMMs (the mainloop's
+    // A consumer group whose rows all lie outside the sequence skips its GEMMs (the mainloop's
     // `idle`). Only for 192-row tiles, which often overhang (512 rows are 2.67 tiles): d=64
     // causal +2.4..+5.8% at 512-2048. The second copy of the tile loop made the d=256 kernels
     // spill 800 bytes and cost them up to 24% at 512 (NOTES SM90 item 32).

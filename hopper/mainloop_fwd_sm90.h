@@ -208,10 +208,11 @@ struct Sm90FwdMainloop {
     // (Traits::SmemLayoutOSlice, the stage before k_state / v_state on return), so this group
     // keeps that stage instead of releasing it, and every warp arrives on keys_read /
     // values_read once its last S / PV GEMM is done.
-    // `idle` (compile-time): this group's 64 rows all lie past the sequence (the last tile of a
-    // sequence whose length is not a multiple of block_m). It then issues no GEMMs and computes
-    // no softmax, so the other groups get the tensor cores to themselves, but it keeps every
-    // wait, release, turn and barrier of the tile; its rows are never stored.
+    // `idle` (compile-time): this group's 64 rows all lie outside the sequence (the partial
+    // tile of a sequence whose length is not a multiple of block_m: the last one, or the first
+    // where tiles are end-aligned). It then issues no GEMMs and computes no softmax, so the
+    // other groups get the tensor cores to themselves, but it keeps every wait, release, turn
+    // and barrier of the tile; its rows are never stored.
     template <class AccO, int kRows, bool kIdle>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
