@@ -1,0 +1,76 @@
+"""SM clock and board power while each kernel runs back to back (about 3 s per kernel).
+
+The H100 of the device tool holds its 700 W power cap under every attention and GEMM kernel
+measured so far, so a kernel's speed is its work per clock times the clock the cap leaves it
+(benchmarks/NOTES.md, SM90 item 49). This prints, per kernel: TFLOP/s over the loop, and the
+median SM clock, power and throttle reasons that `nvidia-smi` sampled every 50 ms over the last
+three quarters of it. Shapes follow the benchmark grid (16k tokens, hidden 2048), bf16,
+non-causal.
+
+    python benchmarks/power_clocks.py
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_attn import flash_attn_func
+
+
+def sample(name: str, fn: Callable[[], object], flops: float, secs: float = 3.0) -> None:
+    """Run `fn` back to back for `secs` seconds and print its rate, clock and power."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
+         "--format=csv,noheader,nounits", "-lms", "50"],
+        stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls = 0
+    t0 = time.time()
+    start.record()
+    while time.time() - t0 < secs:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / calls
+    smi.terminate()
+    rows = [line.split(",") for line in smi.communicate()[0].strip().splitlines() if line.count(",") == 3]
+    rows = rows[len(rows) // 4:]
+    clock = statistics.median(float(r[0]) for r in rows)
+    power = statistics.median(float(r[1]) for r in rows)
+    reasons = collections.Counter(r[3].strip() for r in rows).most_common(2)
+    print(f"{name:28s} {flops / ms / 1e9:7.1f} TFLOP/s  sm clock {clock:6.0f} MHz  "
+          f"power {power:6.1f} W  temp {rows[-1][2].strip()}  reasons {reasons}", flush=True)
+
+
+def main() -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    sample("cublas 8192^3 bf16", lambda: a @ b, 2 * 8192**3)
+    for d, s in ((128, 8192), (128, 2048), (64, 8192)):
+        batch, heads = 16384 // s, 2048 // d
+        q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        flops = 4 * batch * heads * s * s * d
+        sample(f"ours d{d} s{s} nc", lambda: flash_attn_func(q, k, v), flops)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sample(f"cudnn d{d} s{s} nc", lambda: F.scaled_dot_product_attention(qt, kt, vt), flops)
+    sample("cublas 8192^3 bf16 again", lambda: a @ b, 2 * 8192**3)
+
+
+if __name__ == "__main__":
+    main()
