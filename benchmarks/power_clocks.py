@@ -49,6 +49,9 @@ def sample(name: str, fn: Callable[[], object], flops: float, secs: float = 3.0)
     smi.terminate()
     rows = [line.split(",") for line in smi.communicate()[0].strip().splitlines() if line.count(",") == 3]
     rows = rows[len(rows) // 4:]
+    if not rows:
+        print(f"{name:28s} {flops / ms / 1e9:7.1f} TFLOP/s  (nvidia-smi gave no samples)", flush=True)
+        return
     clock = statistics.median(float(r[0]) for r in rows)
     power = statistics.median(float(r[1]) for r in rows)
     reasons = collections.Counter(r[3].strip() for r in rows).most_common(2)
