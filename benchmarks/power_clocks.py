@@ -5,7 +5,7 @@ measured so far, so a kernel's speed is its work per clock times the clock the c
 (benchmarks/NOTES.md, SM90 item 49). This prints, per kernel: TFLOP/s over the loop, and the
 median SM clock, power and throttle reasons that `nvidia-smi` sampled every 50 ms over the last
 three quarters of it. Shapes follow the benchmark grid (16k tokens, hidden 2048), bf16,
-non-causal.
+non-causal; the attention calls are benchmark_attn.py's.
 
     python benchmarks/power_clocks.py
 """
@@ -18,10 +18,8 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_attn import flash_attn_func
+from benchmark_attn import backend_context, backend_fn
 
 
 def sample(name: str, fn: Callable[[], object], flops: float, secs: float = 3.0) -> None:
@@ -68,10 +66,11 @@ def main() -> None:
         q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         flops = 4 * batch * heads * s * s * d
-        sample(f"ours d{d} s{s} nc", lambda: flash_attn_func(q, k, v), flops)
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            sample(f"cudnn d{d} s{s} nc", lambda: F.scaled_dot_product_attention(qt, kt, vt), flops)
+        # The grid's calls: ours, and cuDNN through SDPA on the transposed views.
+        for backend, label in (("ours", "ours"), ("sdpa-cudnn", "cudnn")):
+            fn = backend_fn(backend, causal=False)
+            with backend_context(backend):
+                sample(f"{label} d{d} s{s} nc", lambda: fn(q, k, v), flops)
     sample("cublas 8192^3 bf16 again", lambda: a @ b, 2 * 8192**3)
 
 
