@@ -273,7 +273,12 @@ template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
+    using PlainShort = Sm90FwdTraits<T, kHeadDim, false, false, true>;
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    // Compiled only where the short-key tile differs (d=128).
+    constexpr bool kHasShort = !(PlainShort::kTile == Plain::kTile);
+    static_assert(PlainShort::kBlockM == Plain::kBlockM && PlainShort::kClusterM == Plain::kClusterM,
+                  "the pairing check below holds for both plain tiles");
     p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
     if (p.pack_gqa > 1) {
         launch_fwd_sm90<Packed>(p, stream);
@@ -288,6 +293,8 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const bool pairs = m_blocks % Plain::kClusterM == 0;
     if (band || !batched || !pairs) {
         launch_fwd_sm90<Band>(p, stream);
+    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys) {
+        if constexpr (kHasShort) launch_fwd_sm90<PlainShort>(p, stream);
     } else {
         launch_fwd_sm90<Plain>(p, stream);
     }

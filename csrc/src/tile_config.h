@@ -50,6 +50,12 @@ struct Sm90FwdTile {
     bool pingpong;            // consumer warp groups take turns issuing their GEMMs
     int cluster_m;            // CTAs of a cluster, on neighbouring query tiles of one head,
                               // that share each K/V tile through TMA multicast
+
+    constexpr bool operator==(Sm90FwdTile const& o) const {
+        return block_m == o.block_m && block_n == o.block_n && stages == o.stages &&
+               consumer_warpgroups == o.consumer_warpgroups && pingpong == o.pingpong &&
+               cluster_m == o.cluster_m;
+    }
 };
 
 // SM90 forward: a producer warp group feeds K and V through TMA pipelines; two consumer warp
@@ -65,6 +71,10 @@ struct Sm90FwdTile {
 // epilogue writes O from registers); with two stages that early load cost 3-4% at causal
 // 512-2k, with three it is within 1.5% of the shared-buffer epilogue at 512-8k.
 // Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k).
+// `short_keys` (seqlen_k <= kSm90ShortKeys, plain kernel only): at d=128, 128 x 128 with three
+// stages instead, whose producer runs further ahead across the tile boundaries: non-causal
+// 512 +4.4..+5.0%, 1024 +1.5..+2.1%, 2048 -0.3..+1.0%, 8k -1.7..+0.6%, 16k -1.2..-1.9% in
+// three in-process A/Bs (NOTES SM90 item 55).
 // d <= 64: three consumer groups (160 registers each) on a 192-row tile give each softmax
 // more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V
 // stages (152 KiB; the tiles are small) let the next tile's first blocks load further ahead:
@@ -74,10 +84,12 @@ struct Sm90FwdTile {
 // the K/V loads of all but two blocks skipped). Two query tiles sharing each load halve that
 // traffic (d=128 8k 596 -> 610, d=256 8k 647 -> 720). The cluster kernel needs an even number
 // of query tiles per head and no varlen; the band kernel (cluster_m = 1) runs the rest.
-constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
+constexpr int kSm90ShortKeys = 1024;
+constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band, bool short_keys = false) {
     return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}  // O small: 3 groups x 64 rows
-           : d <= 128 ? (band ? Sm90FwdTile{128, 128, 3, 2, true, 1}   // 224 KiB
-                            : Sm90FwdTile{128, 176, 2, 2, true, 2})  // 208 KiB
+           : d <= 128 ? (band         ? Sm90FwdTile{128, 128, 3, 2, true, 1}   // 224 KiB
+                         : short_keys ? Sm90FwdTile{128, 128, 3, 2, true, 2}   // 224 KiB
+                                      : Sm90FwdTile{128, 176, 2, 2, true, 2})  // 208 KiB
            : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, band ? 1 : 2}    // 192 KiB at d=192
                       : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
