@@ -277,8 +277,6 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
     // Compiled only where the short-key tile differs (d=128).
     constexpr bool kHasShort = !(PlainShort::kTile == Plain::kTile);
-    static_assert(PlainShort::kBlockM == Plain::kBlockM && PlainShort::kClusterM == Plain::kClusterM,
-                  "the pairing check below holds for both plain tiles");
     p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
     if (p.pack_gqa > 1) {
         launch_fwd_sm90<Packed>(p, stream);
@@ -288,15 +286,19 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
     // seqused_k), and its clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
-    const int m_blocks = (p.seqlen_q + Plain::kBlockM - 1) / Plain::kBlockM;
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
-    const bool pairs = m_blocks % Plain::kClusterM == 0;
-    if (band || !batched || !pairs) {
+    auto pairs = [&](auto traits) {
+        using Tr = decltype(traits);
+        return (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM % Tr::kClusterM == 0;
+    };
+    if (band || !batched) {
         launch_fwd_sm90<Band>(p, stream);
-    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys) {
+    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys && pairs(PlainShort{})) {
         if constexpr (kHasShort) launch_fwd_sm90<PlainShort>(p, stream);
-    } else {
+    } else if (pairs(Plain{})) {
         launch_fwd_sm90<Plain>(p, stream);
+    } else {
+        launch_fwd_sm90<Band>(p, stream);
     }
 }
 
