@@ -70,11 +70,12 @@ struct Sm90FwdTile {
 // Its three K/V stages: the next tile's Q loads while this tile's last blocks run (the
 // epilogue writes O from registers); with two stages that early load cost 3-4% at causal
 // 512-2k, with three it is within 1.5% of the shared-buffer epilogue at 512-8k.
-// Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k).
+// Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k
+// when chosen; since the lazy rescale 128 x 128 with two stages measures the same).
 // `short_keys` (seqlen_k <= kSm90ShortKeys, plain kernel only): at d=128, 128 x 128 with three
 // stages instead, whose producer runs further ahead across the tile boundaries: non-causal
-// 512 +4.4..+5.0%, 1024 +1.5..+2.1%, 2048 -0.3..+1.0%, 8k -1.7..+0.6%, 16k -1.2..-1.9% in
-// three in-process A/Bs (NOTES SM90 item 55).
+// 512 +4.4..+5.0%, 1024 -0.5..+2.1%, 2048 -0.3..+1.0%, 8k -1.7..+0.6%, 16k -1.2..-1.9% in
+// three in-process A/Bs (NOTES SM90 item 55), so it stops where it stops gaining.
 // d <= 64: three consumer groups (160 registers each) on a 192-row tile give each softmax
 // more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V
 // stages (152 KiB; the tiles are small) let the next tile's first blocks load further ahead:
