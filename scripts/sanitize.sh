@@ -35,6 +35,10 @@ q = torch.randn(b, 256, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v)
+# The same past 1024 keys: at d = 128 the plain kernel's other tile (tile_config.h short_keys).
+k = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
+v = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
+run(flash_attn_func, q[:1], k, v)
 lens_q, lens_k = [5, 0, 70, 1, 300], [9, 3, 64, 0, 300]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
 cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
