@@ -175,6 +175,19 @@ int heads_per_section(FwdParams const& p, int heads) {
     return int(std::clamp<int64_t>(kL2Budget / per_head, 1, int64_t(heads) * p.batch));
 }
 
+// Query tiles per head of one sequence: packed rows with GQA packing (run_fwd_sm90 sets
+// p.pack_gqa, 1 when unpacked, before it picks a kernel).
+template <class Traits>
+int query_tiles(FwdParams const& p) {
+    return (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM;
+}
+
+// Whether every head's query tiles form whole clusters, as the static schedule needs.
+template <class Traits>
+bool whole_clusters(FwdParams const& p) {
+    return query_tiles<Traits>(p) % Traits::kClusterM == 0;
+}
+
 template <class Traits>
 void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using T = typename Traits::Element;
@@ -195,8 +208,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
     const int heads = p.nheads / p.pack_gqa;
     const TileSchedulerParams sched = make_scheduler_params(
-        (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM, heads, p.batch,
-        heads_per_section<Traits>(p, heads), p.tile_counter);
+        query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads),
+        p.tile_counter);
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
@@ -287,15 +300,11 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // seqused_k), and its clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
-    auto pairs = [&](auto traits) {
-        using Tr = decltype(traits);
-        return (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM % Tr::kClusterM == 0;
-    };
     if (band || !batched) {
         launch_fwd_sm90<Band>(p, stream);
-    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys && pairs(PlainShort{})) {
+    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys && whole_clusters<PlainShort>(p)) {
         if constexpr (kHasShort) launch_fwd_sm90<PlainShort>(p, stream);
-    } else if (pairs(Plain{})) {
+    } else if (whole_clusters<Plain>(p)) {
         launch_fwd_sm90<Plain>(p, stream);
     } else {
         launch_fwd_sm90<Band>(p, stream);

@@ -24,7 +24,7 @@
 namespace flash {
 
 struct TileSchedulerParams {
-    int num_m_blocks;  // a multiple of the cluster size (the launch checks it)
+    int num_m_blocks;  // a multiple of the cluster size (run_fwd_sm90 checks it)
     int nheads;
     int batch;
     // Dynamic only: the nheads * batch heads fall into `sections` sections, the first ones of
