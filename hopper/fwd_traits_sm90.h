@@ -53,12 +53,15 @@ struct Sm90FwdTraits {
     // NamedBarrier::kQueryEmpty: the consumers release Q to the producer warp.
     static constexpr int kQueryEmptyThreads = kConsumerThreads + 32;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
-    // 65536 registers per SM, allocated per warp group in steps of 8 per thread.
+    // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
+    // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
+    // the consumers' increase wait forever: a producer at 32 hung the d=128 kernels.
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
-    static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <= 65536);
+    static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
+                  kThreads * (65536 / kThreads / 8 * 8));
 
     using BM = Int<kBlockM>;
     using BN = Int<kBlockN>;
