@@ -300,15 +300,19 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // seqused_k), and its clusters pair query tiles of one sequence: every head needs a whole
     // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
-    if (band || !batched) {
-        launch_fwd_sm90<Band>(p, stream);
-    } else if (kHasShort && p.seqlen_k <= kSm90ShortKeys && whole_clusters<PlainShort>(p)) {
-        if constexpr (kHasShort) launch_fwd_sm90<PlainShort>(p, stream);
-    } else if (whole_clusters<Plain>(p)) {
-        launch_fwd_sm90<Plain>(p, stream);
-    } else {
-        launch_fwd_sm90<Band>(p, stream);
+    if (!band && batched) {
+        if constexpr (kHasShort) {
+            if (p.seqlen_k <= kSm90ShortKeys && whole_clusters<PlainShort>(p)) {
+                launch_fwd_sm90<PlainShort>(p, stream);
+                return;
+            }
+        }
+        if (whole_clusters<Plain>(p)) {
+            launch_fwd_sm90<Plain>(p, stream);
+            return;
+        }
     }
+    launch_fwd_sm90<Band>(p, stream);
 }
 
 }  // namespace flash
