@@ -257,6 +257,18 @@ void check_grid(const Problem& pb) {
              "2^31 - 1; split the batch into several calls");
 }
 
+// FwdParams::workspace: one byte tensor per call, kept alive by the caller's Workspace.
+struct Workspace {
+    at::TensorOptions options;
+    at::Tensor bytes;
+};
+
+void* allocate_workspace(void* context, flash::index_t bytes) {
+    auto* w = static_cast<Workspace*>(context);
+    w->bytes = at::empty({bytes}, w->options.dtype(at::kByte));
+    return w->bytes.data_ptr();
+}
+
 void check_launch() {
     const cudaError_t err = cudaGetLastError();
     FA_CHECK(err == cudaSuccess, "flash_attn: kernel launch failed: ", cudaGetErrorString(err));
@@ -325,11 +337,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     p.k_stride = strides_of(k, pb.varlen);
     p.v_stride = strides_of(v, pb.varlen);
     p.o_stride = strides_of(out, pb.varlen);
-    at::Tensor workspace;
-    if (entry.arch == 90) {
-        workspace = at::empty({1}, q.options().dtype(at::kInt));
-        p.tile_counter = workspace.data_ptr<int>();
-    }
+    Workspace workspace{q.options(), {}};
+    p.workspace = {&allocate_workspace, &workspace};
     entry.fwd(p, at::cuda::getCurrentCUDAStream());
     check_launch();
     return {out, lse};

@@ -20,6 +20,7 @@
 #include "mainloop_fwd_sm90.h"
 #include "seq_info.h"
 #include "sm90_utils.h"
+#include "tile_scheduler.h"
 
 namespace flash {
 
@@ -50,6 +51,122 @@ struct Sm90FwdEpilogue {
     using BM = typename Traits::BM;
     using D = typename Traits::D;
 
+    // The K or V stage this group kept for its O slice (the one before the state's; a release
+    // reads the index only), once the other groups' last GEMMs have read it.
+    static __device__ typename Traits::PipeState held_stage(
+        typename Traits::SharedStorage& ss, typename Traits::PipeState const& k_state,
+        typename Traits::PipeState const& v_state, int phase) {
+        const bool in_values = Traits::slice_in_values(consumer_group());
+        const int next = in_values ? v_state.index() : k_state.index();
+        if (in_values) {
+            ss.values_read.wait(phase);
+        } else {
+            ss.keys_read.wait(phase);
+        }
+        return typename Traits::PipeState(next == 0 ? Traits::kStages - 1 : next - 1, 0, 0);
+    }
+
+    // In place of store_staged where another CTA stores the tile (a piece of a split tile that
+    // did not finish it): gives the kept stage back.
+    static __device__ void release_staged(typename Traits::SharedStorage& ss,
+                                          typename Traits::KPipe& k_pipe,
+                                          typename Traits::VPipe& v_pipe,
+                                          typename Traits::PipeState const& k_state,
+                                          typename Traits::PipeState const& v_state, int phase) {
+        const typename Traits::PipeState last = held_stage(ss, k_state, v_state, phase);
+        if (Traits::slice_in_values(consumer_group())) {
+            v_pipe.consumer_release(last);
+        } else {
+            k_pipe.consumer_release(last);
+        }
+    }
+
+    // One piece of a split tile (SplitPlan): this group leaves its partial O and LSE in the
+    // workspace, and the group that completes the tile's last piece merges every piece's into
+    // acc_o and lse, weighting each by exp(its LSE - the merged LSE). Returns whether this group
+    // now holds the tile's output (and stores it). The pieces run at the same time on other SMs:
+    // each releases its writes before it counts itself in, and the merging group reads the
+    // others' from L2 (ld.global.cg) after its count.
+    template <class AccO, int kRows>
+    static __device__ bool merge_pieces(SplitPlan const& s, Tile const& t, AccO& acc_o,
+                                        float (&lse)[kRows]) {
+        constexpr int kThreads = Traits::kConsumerThreads;
+        Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
+        // Each row's values go in fours (one float4 of the workspace), so the merge adds another
+        // piece's rows in place, without a second accumulator (d=256 has no registers for one).
+        constexpr int kQuads = decltype(size<1>(o_rc))::value / 4;
+        static_assert(decltype(size<1>(o_rc))::value % 4 == 0);
+        static_assert(decltype(size<0>(o_rc))::value == kRows);
+        const int ctid = int(threadIdx.x) - 128;
+        const int group = consumer_group();
+        const int rank = Traits::kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
+        const index_t slot = index_t(t.split) * Traits::kClusterM + rank;
+        auto o_of = [&](int piece, int r, int j) {
+            return reinterpret_cast<float4*>(s.o) +
+                   ((slot * s.max_pieces + piece) * kRows * kQuads + r * kQuads + j) * kThreads +
+                   ctid;
+        };
+        auto lse_of = [&](int piece, int r) {
+            return s.lse + ((slot * s.max_pieces + piece) * kRows + r) * kThreads + ctid;
+        };
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int j = 0; j < kQuads; ++j) {
+                __stcg(o_of(t.piece, r, j), make_float4(o_rc(r, 4 * j), o_rc(r, 4 * j + 1),
+                                                         o_rc(r, 4 * j + 2), o_rc(r, 4 * j + 3)));
+            }
+            __stcg(lse_of(t.piece, r), lse[r]);
+        }
+        // The group's writes, then one thread's release and count: the barrier orders the
+        // group's writes before its fence. The merging group's acquire fence orders its reads
+        // after the count, the barrier its other threads' reads.
+        barrier_sync(epilogue_barrier(group), 128);
+        bool last = false;
+        if (ctid % 128 == 0) {
+            fence_acq_rel_gpu();
+            last = atomicAdd(s.arrived + slot * Traits::kConsumerWarpGroups + group, 1) ==
+                   t.pieces - 1;
+            if (last) fence_acq_rel_gpu();
+        }
+        if (!barrier_sync_or(epilogue_barrier(group), 128, last)) return false;
+
+        // A row that saw no key in a piece has LSE +inf and O 0 there (OnlineSoftmax::
+        // finalize): it weighs nothing.
+        auto live = [](float x) { return x == INFINITY ? -INFINITY : x; };
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            float top = live(lse[r]);
+            for (int q = 0; q < t.pieces; ++q) {
+                if (q != t.piece) top = fmaxf(top, live(__ldcg(lse_of(q, r))));
+            }
+            auto weight = [&](float piece_lse) {
+                return top == -INFINITY ? 0.f : __expf(live(piece_lse) - top);
+            };
+            float sum = weight(lse[r]);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= sum;
+            for (int q = 0; q < t.pieces; ++q) {
+                if (q == t.piece) continue;
+                const float w = weight(__ldcg(lse_of(q, r)));
+                sum += w;
+                CUTE_UNROLL
+                for (int j = 0; j < kQuads; ++j) {
+                    const float4 x = __ldcg(o_of(q, r, j));
+                    o_rc(r, 4 * j) += w * x.x;
+                    o_rc(r, 4 * j + 1) += w * x.y;
+                    o_rc(r, 4 * j + 2) += w * x.z;
+                    o_rc(r, 4 * j + 3) += w * x.w;
+                }
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+            lse[r] = sum > 0.f ? top + logf(sum) : INFINITY;
+        }
+        return true;
+    }
+
     // Run by every consumer thread after a tile with keys when Mainloop::staged_output holds;
     // k_state / v_state are past the tile's last stages. `phase`: parity of the tile's
     // keys_read / values_read completion.
@@ -68,19 +185,11 @@ struct Sm90FwdEpilogue {
         const int group = consumer_group();
         const bool in_values = Traits::slice_in_values(group);
         using Mainloop = Sm90FwdMainloop<Traits>;
-        // The stage this group kept: the one before the state's (a release reads the index only).
-        const int next = in_values ? v_state.index() : k_state.index();
-        const typename Traits::PipeState last(next == 0 ? Traits::kStages - 1 : next - 1, 0, 0);
+        const typename Traits::PipeState last = held_stage(ss, k_state, v_state, phase);
         constexpr int kStageElems = Traits::kBlockN * D::value;
         constexpr int kSliceElems = 64 * D::value;
         T* slice = (in_values ? ss.v.data() : ss.k.data()) + last.index() * kStageElems +
                    (in_values ? group - Traits::kSlicesPerStage : group) * kSliceElems;
-        // The other groups may still read this stage with their last GEMM.
-        if (in_values) {
-            ss.values_read.wait(phase);
-        } else {
-            ss.keys_read.wait(phase);
-        }
 
         Tensor rO = convert_fragment<T>(acc_o);
         Tensor sO = make_tensor(make_smem_ptr(slice), typename Traits::SmemLayoutOSlice{});

@@ -93,17 +93,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         };
         int handed = 0;
         int unit = next_with_rows(sched.first(), false);
-        ss.tiles.push(handed++, unit);
+        auto hand_out = [&](int u) { ss.tiles.push(handed++, sched.valid(u) ? u : TileQueue::kDone); };
+        hand_out(unit);
         while (sched.valid(unit)) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
-            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block);
+            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
             if (g.has_keys()) {
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
                                t.m_block, g, wait_query_empty);
             }
             unit = next_with_rows(unit, true);
-            ss.tiles.push(handed++, unit);
+            hand_out(unit);
         }
         if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
@@ -119,10 +120,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         int out_phase = 0;  // parity of keys_read / values_read, one phase per staged tile
         typename Traits::MmaPV mma_pv;
         int taken = 0;
-        for (int unit = ss.tiles.pop(taken++); sched.valid(unit);) {
+        for (int unit = ss.tiles.pop(taken++); unit != TileQueue::kDone;) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
-            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block);
+            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
             // The producer hands out tiles with query rows only.
             Tensor acc_o =
                 partition_fragment_C(mma_pv, Shape<typename Traits::BM, typename Traits::D>{});
@@ -145,11 +146,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 CUTE_UNROLL
                 for (int r = 0; r < kRows; ++r) lse[r] = INFINITY;
             }
+            // A piece of a split tile: only the group that merges the pieces stores the rows.
+            bool stores = true;
+            if constexpr (!Traits::kBand) {
+                if (sched.is_piece(unit)) {
+                    stores = Epilogue::merge_pieces(sched.params.split, t, acc_o, lse);
+                }
+            }
             if (staged) {
-                Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state, out_phase, seq,
-                                       t.bidb, t.bidh, g, acc_o, lse);
+                if (stores) {
+                    Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state, out_phase,
+                                           seq, t.bidb, t.bidh, g, acc_o, lse);
+                } else {
+                    Epilogue::release_staged(ss, k_pipe, v_pipe, k_state, v_state, out_phase);
+                }
                 out_phase ^= 1;
-            } else {
+            } else if (stores) {
                 Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
             }
             unit = ss.tiles.pop(taken++);
@@ -188,6 +200,66 @@ bool whole_clusters(FwdParams const& p) {
     return query_tiles<Traits>(p) % Traits::kClusterM == 0;
 }
 
+// The launch configuration of `clusters` clusters of the kernel (CTAs where kClusterM is 1).
+template <class Traits>
+struct Sm90Launch {
+    cudaLaunchAttribute cluster_dim = {};
+    cudaLaunchConfig_t config = {};
+
+    Sm90Launch(int clusters, cudaStream_t stream) {
+        cluster_dim.id = cudaLaunchAttributeClusterDimension;
+        cluster_dim.val.clusterDim.x = Traits::kClusterM;
+        cluster_dim.val.clusterDim.y = 1;
+        cluster_dim.val.clusterDim.z = 1;
+        config.gridDim = dim3(Traits::kClusterM * clusters);
+        config.blockDim = dim3(Traits::kThreads);
+        config.dynamicSmemBytes = Traits::kSmemBytes;
+        config.stream = stream;
+        config.attrs = &cluster_dim;  // hence no copies
+        config.numAttrs = Traits::kClusterM > 1 ? 1 : 0;
+    }
+    Sm90Launch(Sm90Launch const&) = delete;
+    Sm90Launch& operator=(Sm90Launch const&) = delete;
+};
+
+// How many CTAs (clusters) of the kernel fit on the current device at once; the first call per
+// device also opts the kernel into its shared memory. A failure surfaces as the launch error
+// the binding checks.
+template <class Traits>
+int resident_clusters() {
+    auto kernel = flash_fwd_sm90_kernel<Traits>;
+    constexpr int kCluster = Traits::kClusterM;
+    int device = 0;
+    cudaGetDevice(&device);
+    static std::atomic<int> resident[64] = {};
+    int clusters = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
+    if (clusters > 0) return clusters;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    clusters = num_sms / kCluster;
+    if constexpr (kCluster > 1) {
+        // GPCs hold whole clusters: fewer than num_sms / 2 pairs may be resident.
+        const Sm90Launch<Traits> launch(clusters, nullptr);
+        int fit = 0;
+        if (cudaOccupancyMaxActiveClusters(&fit, kernel, &launch.config) != cudaSuccess) {
+            cudaGetLastError();  // a failed query only means the estimate above stays
+        } else if (fit > 0) {
+            clusters = std::min(clusters, fit);
+        }
+    }
+    clusters = std::max(clusters, 1);
+    if (device < 64) resident[device].store(clusters, std::memory_order_relaxed);
+    return clusters;
+}
+
+// Whether the static schedule may split its last round (SplitPlan); FLASH_ATTN_SPLIT=0 turns
+// it off (tests run both).
+inline bool split_enabled() {
+    const char* env = std::getenv("FLASH_ATTN_SPLIT");
+    return env == nullptr || env[0] != '0';
+}
+
 template <class Traits>
 void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using T = typename Traits::Element;
@@ -205,11 +277,42 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;
     using D = typename Traits::D;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kRowsPerThread = 2;  // of a WGMMA accumulator
     // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
     const int heads = p.nheads / p.pack_gqa;
-    const TileSchedulerParams sched = make_scheduler_params(
-        query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads),
-        p.tile_counter);
+    TileSchedulerParams sched = make_scheduler_params(
+        query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads), nullptr);
+    const int clusters = resident_clusters<Traits>();
+    const int units = Traits::Scheduler::num_units(sched);
+    int grid = std::min(units, clusters);
+    int64_t counters = 1;  // the dynamic scheduler's
+    if constexpr (!Traits::kBand) {
+        counters = 0;
+        if (split_enabled()) {
+            sched.split = plan_split(units, clusters, (p.seqlen_k + kBlockN - 1) / kBlockN);
+        }
+        if (sched.split.per > 0) {
+            grid = clusters;
+            counters = int64_t(sched.split.tail) * Traits::kClusterM * Traits::kConsumerWarpGroups;
+        }
+    }
+    // Workspace: the counters (zeroed here), then a split's partial LSEs and outputs.
+    const int64_t slots_pieces =
+        int64_t(sched.split.tail) * Traits::kClusterM * sched.split.max_pieces;
+    auto round_up = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    const int64_t counter_bytes = round_up(counters * int64_t(sizeof(int)));
+    const int64_t lse_bytes = round_up(slots_pieces * kRowsPerThread * Traits::kConsumerThreads * 4);
+    const int64_t o_bytes = slots_pieces * Traits::kBlockM * D::value * 4;
+    if (counters > 0) {
+        char* ws = static_cast<char*>(
+            p.workspace.allocate(p.workspace.context, counter_bytes + lse_bytes + o_bytes));
+        sched.counter = reinterpret_cast<int*>(ws);
+        sched.split.arrived = reinterpret_cast<int*>(ws);
+        sched.split.lse = reinterpret_cast<float*>(ws + counter_bytes);
+        sched.split.o = reinterpret_cast<float*>(ws + counter_bytes + lse_bytes);
+        cudaMemsetAsync(ws, 0, counters * sizeof(int), stream);
+    }
     const Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
@@ -224,48 +327,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         batch,
         sched};
 
-    auto kernel = flash_fwd_sm90_kernel<Traits>;
-    constexpr int kCluster = Traits::kClusterM;
-    int device = 0;
-    cudaGetDevice(&device);
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute cluster_dim;
-    cluster_dim.id = cudaLaunchAttributeClusterDimension;
-    cluster_dim.val.clusterDim.x = kCluster;
-    cluster_dim.val.clusterDim.y = 1;
-    cluster_dim.val.clusterDim.z = 1;
-    config.blockDim = dim3(Traits::kThreads);
-    config.dynamicSmemBytes = Traits::kSmemBytes;
-    config.stream = stream;
-    config.attrs = &cluster_dim;
-    config.numAttrs = kCluster > 1 ? 1 : 0;
-    // Once per device: the shared-memory opt-in and how many CTAs (clusters) fit at once. A
-    // failure surfaces as the launch error the binding checks.
-    static std::atomic<int> resident[64] = {};
-    int clusters = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
-    if (clusters == 0) {
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Traits::kSmemBytes);
-        int num_sms = 0;
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-        clusters = num_sms / kCluster;
-        if constexpr (kCluster > 1) {
-            // GPCs hold whole clusters: fewer than num_sms / 2 pairs may be resident.
-            config.gridDim = dim3(kCluster * clusters);
-            int fit = 0;
-            if (cudaOccupancyMaxActiveClusters(&fit, kernel, &config) != cudaSuccess) {
-                cudaGetLastError();  // a failed query only means the estimate above stays
-            } else if (fit > 0) {
-                clusters = std::min(clusters, fit);
-            }
-        }
-        clusters = std::max(clusters, 1);
-        if (device < 64) resident[device].store(clusters, std::memory_order_relaxed);
-    }
-    const int units = std::min(Traits::Scheduler::num_units(sched), clusters);
-    config.gridDim = dim3(kCluster * std::max(units, 1));
-    if constexpr (Traits::kBand) cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
-    cudaLaunchKernelEx(&config, kernel, args);
+    const Sm90Launch<Traits> launch(std::max(grid, 1), stream);
+    cudaLaunchKernelEx(&launch.config, flash_fwd_sm90_kernel<Traits>, args);
 }
 
 // GQA packing (query heads of one KV head in one tile) where it needs fewer tiles than one

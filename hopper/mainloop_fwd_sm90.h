@@ -54,8 +54,10 @@ struct Sm90FwdMainloop {
         return Traits::kPackGQA ? p.pack_gqa : 1;
     }
 
+    // [n_begin, n_end): the key blocks of the unit (a piece of a split tile: static tiles only).
     static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
-                                                int m_block) {
+                                                int m_block, int n_begin = 0,
+                                                int n_end = 1 << 30) {
         const int pack = pack_factor(p);
         Sm90TileGeometry g;
         const int seq_rows = seq.seqlen_q * pack;
@@ -66,6 +68,10 @@ struct Sm90FwdMainloop {
         g.q_row0 = g.row0 / pack;
         g.q_span = (g.row0 + kBlockM - 1) / pack - g.q_row0 + 1;
         seq.mask(p).key_block_range(g.q_row0, g.q_span, kBlockN, g.n_first, g.n_last);
+        if constexpr (!Traits::kBand) {
+            g.n_first = max(g.n_first, n_begin);
+            g.n_last = min(g.n_last, n_end);
+        }
         return g;
     }
 

@@ -45,6 +45,24 @@ __forceinline__ __device__ void barrier_arrive(NamedBarrier id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
 }
 
+// Orders this thread's memory accesses (and, after a barrier, its CTA's) with those of other
+// SMs: a release before a count others read, an acquire after reading theirs.
+__forceinline__ __device__ void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+// barrier_sync that also returns whether `pred` held for any of the threads.
+__forceinline__ __device__ bool barrier_sync_or(NamedBarrier id, int threads, bool pred) {
+    uint32_t any;
+    asm volatile(
+        "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\t"
+        "bar.red.or.pred q, %2, %3, p;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+        : "=r"(any)
+        : "r"(uint32_t(pred)), "r"(int(id)), "r"(threads)
+        : "memory");
+    return any != 0;
+}
+
 // The consumer groups issue their GEMMs in a ring: group g waits for its turn and passes it to
 // group g + 1. Each turn barrier counts the waiting group and the one handing over.
 template <int kGroups>

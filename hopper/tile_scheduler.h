@@ -4,7 +4,8 @@
 // multicast).
 //  - StaticTileScheduler: uniform tiles (no band mask). CTAs stride through the units by the
 //    grid size; the tiles of one head are adjacent, so the CTAs running at the same time share
-//    K and V in L2.
+//    K and V in L2. Units that do not fill a last round are split by key blocks over all the
+//    clusters (SplitPlan).
 //  - DynamicTileScheduler: tiles of different lengths (causal, window, varlen). Units come
 //    longest first, the bottom query tiles (the most keys under a causal mask) of a section of
 //    heads before the tiles above them, and a CTA that finished early takes the next unit from
@@ -23,6 +24,80 @@
 
 namespace flash {
 
+// The static schedule's last round, split by key blocks. Whole rounds of units run first; the
+// `tail` units left (fewer than the grid's clusters) are cut into pieces of consecutive key
+// blocks: numbering the tail's key blocks tile after tile, cluster c takes [c * per,
+// (c + 1) * per), so it runs at most two pieces (the end of one tile, the start of the next).
+// Each piece's CTAs leave their partial O and LSE in a workspace, and the consumer group that
+// completes a tile's last piece merges them (Sm90FwdEpilogue::merge_pieces). Unsplit, the
+// clusters past `tail` idle through the last round: the d=128 non-causal grid runs 1024 units
+// on 66 clusters, 15.52 rounds in 16 (NOTES SM90 item 63). Also the split-KV of grids with
+// fewer units than clusters (tail = units).
+struct SplitPlan {
+    int full_units = 0;  // units run whole, a multiple of the clusters
+    int tail = 0;        // units split after them
+    int key_blocks = 0;  // of every tile (static tiles see every key)
+    int per = 0;         // tail key blocks per cluster; 0: nothing is split
+    int max_pieces = 0;  // most pieces of one tile: workspace slots per split tile
+    // Workspace; a slot is one CTA's tile of a split unit (tail tile * kClusterM + rank).
+    float* o = nullptr;      // (slot, piece, acc_o's float4s, consumer thread), float4 each
+    float* lse = nullptr;    // (slot, piece, rows per thread, consumer thread)
+    int* arrived = nullptr;  // (slot, consumer group): pieces done; zero at launch
+};
+
+// A split is made only where it shortens the last round by at least this many key blocks. Each
+// piece costs about a tile's fixed cost (1-2 blocks: the pipeline's fill and drain) plus its
+// partial output's write and the merge's reads, and the clusters reach the tail at different
+// times: split on/off, same build, graph-timed in turns, d=128 non-causal gained +1.2% at 8k
+// and +2.0% at 16k (22 and 45 blocks shorter), nothing at 2048 (5), and lost 1.5% at 1024 (3);
+// d=256 lost 5.7% at 1024 (3) (NOTES SM90 item 64).
+constexpr int kSplitMinSaving = 8;
+// At most this many clusters share a tile: the merge reads every other piece's output.
+constexpr int kMaxSplit = 4;
+
+struct SplitPiece {
+    int tile;             // tail tile (unit full_units + tile); -1: no such piece
+    int n_begin, n_end;   // its key blocks
+    int index, count;     // which piece of the tile, of how many
+};
+
+// Piece j (0 or 1) of cluster c.
+__host__ __device__ constexpr SplitPiece split_piece(SplitPlan const& s, int c, int j) {
+    const int total = s.tail * s.key_blocks;
+    const int begin = c * s.per;
+    const int end = begin + s.per < total ? begin + s.per : total;
+    const int tile = begin / s.key_blocks + j;
+    const int first = tile * s.key_blocks;
+    if (begin >= total || first >= end) return {-1, 0, 0, 0, 0};
+    const int first_cluster = first / s.per;
+    const int last_cluster = (first + s.key_blocks - 1) / s.per;
+    return {tile, (begin > first ? begin : first) - first,
+            (end < first + s.key_blocks ? end : first + s.key_blocks) - first,
+            c - first_cluster, last_cluster - first_cluster + 1};
+}
+
+// `units` on `clusters` with `key_blocks` per tile: split the last round where that pays.
+__host__ __device__ constexpr SplitPlan plan_split(int units, int clusters, int key_blocks) {
+    SplitPlan s;
+    const int tail = units % clusters;
+    s.full_units = units;
+    if (tail == 0) return s;
+    const int even = (tail * key_blocks + clusters - 1) / clusters;
+    const int fewest = (key_blocks + kMaxSplit - 1) / kMaxSplit;
+    const int per = even > fewest ? even : fewest;
+    if (key_blocks - per < kSplitMinSaving) return s;
+    s.full_units = units - tail;
+    s.tail = tail;
+    s.key_blocks = key_blocks;
+    s.per = per;
+    for (int t = 0; t < tail; ++t) {
+        const int first = t * key_blocks;
+        const int count = (first + key_blocks - 1) / per - first / per + 1;
+        s.max_pieces = count > s.max_pieces ? count : s.max_pieces;
+    }
+    return s;
+}
+
 struct TileSchedulerParams {
     int num_m_blocks;  // a multiple of the cluster size (run_fwd_sm90 checks it)
     int nheads;
@@ -33,6 +108,7 @@ struct TileSchedulerParams {
     int section_heads;
     int wide_sections;
     int* counter;  // dynamic only: zero at launch, counts the units handed out
+    SplitPlan split;  // static only
 };
 
 // Sections of at most `max_heads` heads each, as even as possible.
@@ -40,13 +116,21 @@ __host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_
                                                  int max_heads, int* counter) {
     const int heads = nheads * batch;
     const int sections = (heads + max_heads - 1) / max_heads;
-    return {num_m_blocks, nheads, batch, sections, heads / sections, heads % sections, counter};
+    return {num_m_blocks, nheads, batch, sections, heads / sections, heads % sections, counter,
+            SplitPlan{}};
 }
 
 struct Tile {
     int m_block;
     int bidh;
     int bidb;
+    // Key blocks [n_begin, n_end) of the tile this unit computes (clamped to what its rows see),
+    // and for a piece of a split tile (split >= 0: its tail tile) which of `pieces` it is.
+    int n_begin = 0;
+    int n_end = 1 << 30;
+    int split = -1;
+    int piece = 0;
+    int pieces = 1;
 };
 
 template <int kClusterM>
@@ -58,11 +142,36 @@ struct StaticTileScheduler {
         return (p.num_m_blocks / kClusterM) * p.nheads * p.batch;
     }
 
+    __device__ int clusters() const { return int(gridDim.x) / kClusterM; }
     __device__ int first() const { return int(blockIdx.x) / kClusterM; }
-    __device__ int next(int unit) const { return unit + int(gridDim.x) / kClusterM; }
-    __device__ bool valid(int unit) const { return unit < num_units(params); }
+    __device__ int next(int unit) const { return unit + clusters(); }
+    // Units past full_units name the pieces of the split tail: piece (unit - full_units) /
+    // clusters of cluster (unit - full_units) % clusters.
+    __device__ SplitPiece piece(int unit) const {
+        const int rel = unit - params.split.full_units;
+        return split_piece(params.split, rel % clusters(), rel / clusters());
+    }
+    __device__ bool is_piece(int unit) const {
+        return params.split.per > 0 && unit >= params.split.full_units;
+    }
+    __device__ bool valid(int unit) const {
+        if (params.split.per == 0) return unit < num_units(params);
+        return unit < params.split.full_units || piece(unit).tile >= 0;
+    }
 
     __device__ Tile tile(int unit) const {
+        if (params.split.per == 0 || unit < params.split.full_units) return whole(unit);
+        const SplitPiece pc = piece(unit);
+        Tile t = whole(params.split.full_units + pc.tile);
+        t.n_begin = pc.n_begin;
+        t.n_end = pc.n_end;
+        t.split = pc.tile;
+        t.piece = pc.index;
+        t.pieces = pc.count;
+        return t;
+    }
+
+    __device__ Tile whole(int unit) const {
         const int groups = params.num_m_blocks / kClusterM;
         const int hb = unit / groups;
         const int rank = kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
@@ -82,6 +191,9 @@ struct DynamicTileScheduler {
     __device__ int first() const { return int(blockIdx.x); }
     // One lane of the producer warp calls this.
     __device__ int next(int) const { return int(gridDim.x) + atomicAdd(params.counter, 1); }
+    __device__ bool is_piece(int unit) const {
+        return params.split.per > 0 && unit >= params.split.full_units;
+    }
     __device__ bool valid(int unit) const { return unit < num_units(params); }
 
     __host__ __device__ constexpr Tile tile(int unit) const {
@@ -104,8 +216,11 @@ struct DynamicTileScheduler {
 // Two slots through which the producer warp hands each unit to the consumer warps: the
 // producer may run one unit ahead (it prefetches the next tile's K during this tile's
 // epilogue).
+// The consumers learn the schedule's end from kDone, not from the scheduler: its test of a split
+// tail's pieces, in the consumer loop, made the d=256 key loop spill.
 struct TileQueue {
     static constexpr int kSlots = 2;
+    static constexpr int kDone = -1;
     int unit[kSlots];
     cutlass::arch::ClusterBarrier full[kSlots];   // the producer's lane 0 wrote the slot
     cutlass::arch::ClusterBarrier empty[kSlots];  // every consumer warp read it

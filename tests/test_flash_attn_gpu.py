@@ -239,6 +239,46 @@ def test_rising_row_max(rise: str, causal: bool, d: int, dtype: str):
 
 
 # ---------------------------------------------------------------------------------------------
+# The static schedule's split last round (SM90 plain kernel), forward only
+# ---------------------------------------------------------------------------------------------
+
+# (dtype, d, batch, heads, seqlen_q, seqlen_k): shapes whose units (pairs of query tiles from
+# d = 128, 192-row tiles at d = 64) fill one round of the H100's clusters and leave a tail that
+# is split by key blocks; the last one has fewer units than clusters, so every tile is split. A
+# seqlen_k that is not a multiple of the key block puts the masked block in one piece only.
+SPLIT_SHAPES = [
+    ("bf16", 128, 3, 3, 2048, 4096),
+    ("fp16", 128, 3, 3, 2048, 4001),
+    ("bf16", 64, 1, 13, 2048, 4096),
+    ("bf16", 256, 1, 17, 1024, 4100),
+    ("bf16", 128, 1, 1, 1024, 8192),
+]
+
+
+@pytest.mark.parametrize("split", ["0", "1"])
+@pytest.mark.parametrize("dtype,d,b,h,sq,sk", SPLIT_SHAPES,
+                         ids=[f"{s[0]}-d{s[1]}-b{s[2]}h{s[3]}-{s[4]}x{s[5]}" for s in SPLIT_SHAPES])
+def test_split_last_round(dtype: str, d: int, b: int, h: int, sq: int, sk: int, split: str,
+                          monkeypatch):
+    """Output and LSE with the static schedule's last round split by key blocks (default,
+    FLASH_ATTN_SPLIT unset) and unsplit (=0); the pieces' partial outputs are merged by the
+    last one to finish. The SM80 path ignores the variable."""
+    if split == "0":
+        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
+    else:
+        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(5)
+    q = rand(b, sq, h, d, dtype=DTYPES[dtype], requires_grad=False)
+    k = rand(b, sk, h, d, dtype=DTYPES[dtype], requires_grad=False)
+    v = rand(b, sk, h, d, dtype=DTYPES[dtype], requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_lse("softmax_lse", lse, lse_ref)
+
+
+# ---------------------------------------------------------------------------------------------
 # GQA / MQA
 # ---------------------------------------------------------------------------------------------
 

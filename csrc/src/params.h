@@ -50,6 +50,14 @@ struct AttnShape {
     FLASH_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 
+// Device memory for one call's scratch, from the binding (torch's allocator, ordered on the
+// call's stream like its outputs). `allocate` returns `bytes` bytes (256-byte aligned) that
+// live until the call returns.
+struct WorkspaceAllocator {
+    void* (*allocate)(void* context, index_t bytes) = nullptr;
+    void* context = nullptr;
+};
+
 struct FwdParams : AttnShape {
     const void* q = nullptr;
     const void* k = nullptr;
@@ -57,7 +65,7 @@ struct FwdParams : AttnShape {
     void* o = nullptr;
     float* lse = nullptr;  // batched (b, h, sq); varlen (h, total_q)
     TensorStrides q_stride, k_stride, v_stride, o_stride;
-    int* tile_counter = nullptr;  // SM90: one int of workspace for the dynamic tile scheduler
+    WorkspaceAllocator workspace;  // SM90: the tile schedulers' counters and split outputs
     // SM90, set by its launcher: query heads per KV head packed into one tile's rows (GQA
     // packing; packed row r is query row r / pack_gqa of head kv_head * pack_gqa +
     // r % pack_gqa). 1: tiles hold one query head.

@@ -1,6 +1,11 @@
-// Compile-time test of the dynamic tile schedule (this file must compile): every (m_block,
-// head) comes out exactly once, sections hold at most the L2 budget's heads and differ by at
-// most one (the larger ones last), and each section hands out its bottom query tiles first.
+// Compile-time tests of the tile schedules (this file must compile).
+//  - Dynamic: every (m_block, head) comes out exactly once, sections hold at most the L2
+//    budget's heads and differ by at most one (the larger ones last), and each section hands
+//    out its bottom query tiles first.
+//  - Static with a split last round (SplitPlan): the whole rounds and the tail add up to the
+//    units, every key block of every tail tile is in exactly one piece, a tile's pieces are
+//    numbered 0..count-1 with count <= max_pieces and <= kMaxSplit + 1, and the split is made
+//    only where it shortens the last round by at least kSplitMinSaving key blocks.
 #include "tile_scheduler.h"
 
 namespace {
@@ -50,5 +55,59 @@ static_assert(check_schedule(4, 8, 2, 3), "16 heads, at most 3 per section: 2 x 
 static_assert(check_schedule(3, 4, 1, 4), "one section");
 static_assert(check_schedule(6, 5, 3, 1), "one head per section");
 static_assert(check_schedule(1, 16, 4, 5), "one query tile per head");
+
+constexpr int kMaxKeyBlocks = 8192;
+
+constexpr bool check_split(int units, int clusters, int key_blocks, bool expect_split) {
+    const flash::SplitPlan s = flash::plan_split(units, clusters, key_blocks);
+    if ((s.per > 0) != expect_split) return false;
+    if (s.per == 0) return s.full_units == units && s.tail == 0;
+    if (s.full_units % clusters != 0 || s.full_units + s.tail != units) return false;
+    if (s.tail <= 0 || s.tail >= clusters) return false;
+    if (key_blocks - s.per < flash::kSplitMinSaving) return false;
+    if (s.tail * key_blocks > kMaxKeyBlocks || s.max_pieces > flash::kMaxSplit + 1) return false;
+    bool covered[kMaxKeyBlocks] = {};
+    int seen_pieces[kMaxKeyBlocks] = {};  // per tile: a bit per piece index
+    for (int c = 0; c < clusters; ++c) {
+        for (int j = 0; j < 3; ++j) {
+            const flash::SplitPiece pc = flash::split_piece(s, c, j);
+            if (pc.tile < 0) continue;
+            if (j == 2 || pc.tile >= s.tail || pc.n_begin >= pc.n_end || pc.n_begin < 0 ||
+                pc.n_end > key_blocks || pc.count > s.max_pieces || pc.index < 0 ||
+                pc.index >= pc.count) {
+                return false;
+            }
+            if (seen_pieces[pc.tile] & (1 << pc.index)) return false;
+            seen_pieces[pc.tile] |= 1 << pc.index;
+            for (int n = pc.n_begin; n < pc.n_end; ++n) {
+                bool& b = covered[pc.tile * key_blocks + n];
+                if (b) return false;
+                b = true;
+            }
+        }
+    }
+    for (int i = 0; i < s.tail * key_blocks; ++i) {
+        if (!covered[i]) return false;
+    }
+    for (int t = 0; t < s.tail; ++t) {
+        const int count = flash::split_piece(s, (t * key_blocks) / s.per, 0).tile == t
+                              ? flash::split_piece(s, (t * key_blocks) / s.per, 0).count
+                              : flash::split_piece(s, (t * key_blocks) / s.per, 1).count;
+        if (seen_pieces[t] != (1 << count) - 1) return false;
+    }
+    return true;
+}
+
+static_assert(check_split(1024, 66, 47, true), "d=128 8k: 15 rounds + 34 units split");
+static_assert(check_split(1024, 66, 94, true), "d=128 16k");
+static_assert(check_split(1024, 66, 12, false), "d=128 2k: 5 blocks shorter is too little");
+static_assert(check_split(512, 66, 52, true), "d=256 4k: 7 rounds + 50 units");
+static_assert(check_split(2816, 132, 32, true), "d=64 4k: 21 rounds + 44 units");
+static_assert(check_split(32, 66, 47, true), "fewer units than clusters: all split");
+static_assert(check_split(1, 66, 47, true), "one unit: kMaxSplit pieces");
+static_assert(check_split(72, 66, 24, true), "one round + 6 units (a GPU test's shape)");
+static_assert(check_split(1024, 66, 4, false), "4 key blocks");
+static_assert(check_split(132, 66, 47, false), "whole rounds");
+static_assert(check_split(1054, 66, 47, false), "a tail of 64 / 66 is not worth splitting");
 
 }  // namespace
