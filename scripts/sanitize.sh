@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, causal
-# over several key blocks, no mask with an even number of query tiles, and varlen with an empty
-# sequence) on the kernels of the current build. Run from the repo root on a GPU machine after
+# over several key blocks, no mask with an even number of query tiles, no mask with its keys
+# split over several CTAs, and varlen with an empty sequence) on the kernels of the current
+# build. Run from the repo root on a GPU machine after
 # building (e.g. `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool
 # reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
@@ -38,6 +39,11 @@ run(flash_attn_func, q, k, v)
 # The same past 1024 keys: at d = 128 the plain kernel's other tile (tile_config.h short_keys).
 k = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
 v = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
+run(flash_attn_func, q[:1], k, v)
+# Few query tiles over many keys: the SM90 static schedule splits each tile's keys over several
+# CTAs, which merge their partial outputs through global memory (SplitPlan).
+k = torch.randn(1, 4096, hk, d, device="cuda", dtype=dt)
+v = torch.randn(1, 4096, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q[:1], k, v)
 lens_q, lens_k = [5, 0, 70, 1, 300], [9, 3, 64, 0, 300]
 cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
