@@ -40,7 +40,7 @@ struct SplitPlan {
     int per = 0;         // tail key blocks per cluster; 0: nothing is split
     int max_pieces = 0;  // most pieces of one tile: workspace slots per split tile
     // Workspace; a slot is one CTA's tile of a split unit (tail tile * kClusterM + rank).
-    float* o = nullptr;      // (slot, piece, acc_o's float4s, consumer thread), float4 each
+    float* o = nullptr;      // (slot, piece, thread's row, four columns, consumer thread)
     float* lse = nullptr;    // (slot, piece, rows per thread, consumer thread)
     int* arrived = nullptr;  // (slot, consumer group): pieces done; zero at launch
 };
@@ -61,7 +61,7 @@ struct SplitPiece {
     int index, count;     // which piece of the tile, of how many
 };
 
-// Piece j (0 or 1) of cluster c.
+// Piece j of cluster c (j = 0 or 1; none from 2 on, and none past the tail).
 __host__ __device__ constexpr SplitPiece split_piece(SplitPlan const& s, int c, int j) {
     const int total = s.tail * s.key_blocks;
     const int begin = c * s.per;
@@ -191,9 +191,6 @@ struct DynamicTileScheduler {
     __device__ int first() const { return int(blockIdx.x); }
     // One lane of the producer warp calls this.
     __device__ int next(int) const { return int(gridDim.x) + atomicAdd(params.counter, 1); }
-    __device__ bool is_piece(int unit) const {
-        return params.split.per > 0 && unit >= params.split.full_units;
-    }
     __device__ bool valid(int unit) const { return unit < num_units(params); }
 
     __host__ __device__ constexpr Tile tile(int unit) const {
