@@ -81,6 +81,13 @@ struct Sm90FwdEpilogue {
         }
     }
 
+    static constexpr int kAccRows = 2;  // rows per thread of a WGMMA accumulator
+    // Workspace per slot and piece (SplitPlan): the CTA's block_m x d fp32 outputs, and an LSE
+    // per accumulator row of each consumer thread.
+    static constexpr int64_t kPieceOBytes = int64_t(Traits::kBlockM) * D::value * sizeof(float);
+    static constexpr int64_t kPieceLseBytes =
+        int64_t(kAccRows) * Traits::kConsumerThreads * sizeof(float);
+
     // One piece of a split tile (SplitPlan): this group leaves its partial O and LSE in the
     // workspace, and the group that completes the tile's last piece merges every piece's into
     // acc_o and lse, weighting each by exp(its LSE - the merged LSE). Returns whether this group
@@ -90,6 +97,7 @@ struct Sm90FwdEpilogue {
     template <class AccO, int kRows>
     static __device__ bool merge_pieces(SplitPlan const& s, Tile const& t, AccO& acc_o,
                                         float (&lse)[kRows]) {
+        static_assert(kRows == kAccRows);
         constexpr int kThreads = Traits::kConsumerThreads;
         Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
         // Each row's values go in fours (one float4 of the workspace), so the merge adds another

@@ -91,11 +91,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
             query_held = true;
         };
+        // Hands unit u to the consumers, or kDone past the schedule's end; returns what it handed.
         int handed = 0;
-        int unit = next_with_rows(sched.first(), false);
-        auto hand_out = [&](int u) { ss.tiles.push(handed++, sched.valid(u) ? u : TileQueue::kDone); };
-        hand_out(unit);
-        while (sched.valid(unit)) {
+        auto hand_out = [&](int u) {
+            u = sched.valid(u) ? u : TileQueue::kDone;
+            ss.tiles.push(handed++, u);
+            return u;
+        };
+        int unit = hand_out(next_with_rows(sched.first(), false));
+        while (unit != TileQueue::kDone) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
@@ -103,8 +107,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
                                t.m_block, g, wait_query_empty);
             }
-            unit = next_with_rows(unit, true);
-            hand_out(unit);
+            unit = hand_out(next_with_rows(unit, true));
         }
         if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
@@ -149,9 +152,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             // A piece of a split tile: only the group that merges the pieces stores the rows.
             bool stores = true;
             if constexpr (!Traits::kBand) {
-                if (sched.is_piece(unit)) {
-                    stores = Epilogue::merge_pieces(sched.params.split, t, acc_o, lse);
-                }
+                if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, acc_o, lse);
             }
             if (staged) {
                 if (stores) {
@@ -278,7 +279,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BN = typename Traits::BN;
     using D = typename Traits::D;
     constexpr int kBlockN = Traits::kBlockN;
-    constexpr int kRowsPerThread = 2;  // of a WGMMA accumulator
+    using Epilogue = Sm90FwdEpilogue<Traits>;
     // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
     const int heads = p.nheads / p.pack_gqa;
     TileSchedulerParams sched = make_scheduler_params(
@@ -302,8 +303,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         int64_t(sched.split.tail) * Traits::kClusterM * sched.split.max_pieces;
     auto round_up = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
     const int64_t counter_bytes = round_up(counters * int64_t(sizeof(int)));
-    const int64_t lse_bytes = round_up(slots_pieces * kRowsPerThread * Traits::kConsumerThreads * 4);
-    const int64_t o_bytes = slots_pieces * Traits::kBlockM * D::value * 4;
+    const int64_t lse_bytes = round_up(slots_pieces * Epilogue::kPieceLseBytes);
+    const int64_t o_bytes = slots_pieces * Epilogue::kPieceOBytes;
     if (counters > 0) {
         char* ws = static_cast<char*>(
             p.workspace.allocate(p.workspace.context, counter_bytes + lse_bytes + o_bytes));

@@ -57,7 +57,7 @@ struct Sm90FwdMainloop {
     // [n_begin, n_end): the key blocks of the unit (a piece of a split tile: static tiles only).
     static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
                                                 int m_block, int n_begin = 0,
-                                                int n_end = 1 << 30) {
+                                                int n_end = kAllKeyBlocks) {
         const int pack = pack_factor(p);
         Sm90TileGeometry g;
         const int seq_rows = seq.seqlen_q * pack;

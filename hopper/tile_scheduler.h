@@ -120,6 +120,9 @@ __host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_
             SplitPlan{}};
 }
 
+// A key-block bound past any tile's last block: a unit that is not a piece sees all its keys.
+constexpr int kAllKeyBlocks = 1 << 30;
+
 struct Tile {
     int m_block;
     int bidh;
@@ -127,7 +130,7 @@ struct Tile {
     // Key blocks [n_begin, n_end) of the tile this unit computes (clamped to what its rows see),
     // and for a piece of a split tile (split >= 0: its tail tile) which of `pieces` it is.
     int n_begin = 0;
-    int n_end = 1 << 30;
+    int n_end = kAllKeyBlocks;
     int split = -1;
     int piece = 0;
     int pieces = 1;
@@ -150,9 +153,6 @@ struct StaticTileScheduler {
     __device__ SplitPiece piece(int unit) const {
         const int rel = unit - params.split.full_units;
         return split_piece(params.split, rel % clusters(), rel / clusters());
-    }
-    __device__ bool is_piece(int unit) const {
-        return params.split.per > 0 && unit >= params.split.full_units;
     }
     __device__ bool valid(int unit) const {
         if (params.split.per == 0) return unit < num_units(params);
