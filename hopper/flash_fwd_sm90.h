@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
             if (g.has_keys()) {
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
-                               t.m_block, g, wait_query_empty);
+                               t.m_block, t.shared_kv, g, wait_query_empty);
             }
             unit = hand_out(next_with_rows(unit, true));
         }
@@ -195,10 +195,10 @@ int query_tiles(FwdParams const& p) {
     return (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM;
 }
 
-// Whether every head's query tiles form whole clusters, as the static schedule needs.
+// Whether the query tiles of all heads form whole clusters, as the static schedule needs.
 template <class Traits>
 bool whole_clusters(FwdParams const& p) {
-    return query_tiles<Traits>(p) % Traits::kClusterM == 0;
+    return int64_t(query_tiles<Traits>(p)) * p.nheads * p.batch % Traits::kClusterM == 0;
 }
 
 // The launch configuration of `clusters` clusters of the kernel (CTAs where kClusterM is 1).
@@ -350,10 +350,7 @@ template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
-    using PlainShort = Sm90FwdTraits<T, kHeadDim, false, false, true>;
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
-    // Compiled only where the short-key tile differs (d=128).
-    constexpr bool kHasShort = !(PlainShort::kTile == Plain::kTile);
     p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
     if (p.pack_gqa > 1) {
         launch_fwd_sm90<Packed>(p, stream);
@@ -361,20 +358,12 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     }
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
-    // seqused_k), and its clusters pair query tiles of one sequence: every head needs a whole
-    // number of pairs. Other shapes take the band kernel, whose mask and schedule handle them.
+    // seqused_k), and its clusters pair query tiles: all heads' tiles must make whole pairs.
+    // Other shapes take the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
-    if (!band && batched) {
-        if constexpr (kHasShort) {
-            if (p.seqlen_k <= kSm90ShortKeys && whole_clusters<PlainShort>(p)) {
-                launch_fwd_sm90<PlainShort>(p, stream);
-                return;
-            }
-        }
-        if (whole_clusters<Plain>(p)) {
-            launch_fwd_sm90<Plain>(p, stream);
-            return;
-        }
+    if (!band && batched && whole_clusters<Plain>(p)) {
+        launch_fwd_sm90<Plain>(p, stream);
+        return;
     }
     launch_fwd_sm90<Band>(p, stream);
 }

@@ -25,15 +25,13 @@ namespace flash {
 // kPackGQA: tiles hold packed rows of a KV head's query heads (FwdParams::pack_gqa); its own
 // instantiation, so the unpacked kernels keep their registers (the packed row mapping costs
 // two in the key loop).
-// kShortKeys: the plain kernel's tile for seqlen_k <= kSm90ShortKeys (tile_config.h).
-template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kShortKeys = false>
+template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false>
 struct Sm90FwdTraits {
     using Element = T;
     static constexpr bool kBand = kBand_;
     static constexpr bool kPackGQA = kPackGQA_;
     static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
-    static_assert(!kShortKeys || !kBand, "short-key tiles are the plain kernel's");
-    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand, kShortKeys);
+    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;

@@ -87,12 +87,13 @@ struct Sm90FwdMainloop {
 
     // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies.
     // `wait_query_empty` is called once, before Q is written, so the previous tile's consumers
-    // are done with the Q buffer; K's first block is issued before that wait.
+    // are done with the Q buffer; K's first block is issued before that wait. `shared_kv`: the
+    // cluster's CTAs all run tiles of this head (Tile::shared_kv).
     template <class WaitQueryEmpty>
     static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::KPipe& k_pipe,
                                 typename Traits::VPipe& v_pipe, PipeState& k_state,
                                 PipeState& v_state, SeqInfo const& seq, int bidb, int bidh,
-                                int m_block, Sm90TileGeometry const& g,
+                                int m_block, bool shared_kv, Sm90TileGeometry const& g,
                                 WaitQueryEmpty&& wait_query_empty) {
         FwdParams const& p = a.p;
         const bool issuer = threadIdx.x % 32 == 0;
@@ -118,42 +119,43 @@ struct Sm90FwdMainloop {
             head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
             Shape<BN, D>{}, make_coord(_, _0{}));
 
-        // In a cluster this CTA loads its slice of each K/V tile for every CTA of the cluster.
+        // In a cluster each K/V tile is loaded in kCluster slices. Where the cluster's CTAs
+        // share the head, this CTA loads its own slice for every CTA of the cluster; otherwise
+        // it loads every slice for itself alone (the stage's barriers count the same bytes).
         constexpr int kCluster = Traits::kClusterM;
         const int rank = kCluster == 1 ? 0 : int(cute::block_rank_in_cluster());
         auto tq = tma_partition(a.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                 group_modes<0, 2>(gQ));
-        auto tk = tma_partition(a.tma_k, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sK),
-                                group_modes<0, 2>(gK));
-        auto tv = tma_partition(a.tma_v, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sV),
-                                group_modes<0, 2>(gV));
         Tensor tQg = get<0>(tq);  // (TMA)
         Tensor tQs = get<1>(tq);
-        Tensor tKg = get<0>(tk);  // (TMA, key blocks)
-        Tensor tKs = get<1>(tk);  // (TMA, stages)
-        Tensor tVg = get<0>(tv);
-        Tensor tVs = get<1>(tv);
 
-        // The TMA of K or V bound to a pipeline stage's full barrier (and multicast to the
-        // cluster).
-        auto bound = [&](auto const& tma, auto* barrier) {
+        // Slice `slice` of key block n into the pipeline's stage, for the CTAs in `ctas`.
+        auto load_slice = [&](auto const& tma, auto& pipe, PipeState const& state, auto const& s,
+                              auto const& gmem, int slice, int n, uint16_t ctas) {
+            auto part = tma_partition(tma, slice, Layout<Int<kCluster>>{},
+                                      group_modes<0, 2>(s), group_modes<0, 2>(gmem));
+            auto* barrier = pipe.producer_get_barrier(state);
             if constexpr (kCluster == 1) {
-                return tma.with(*barrier);
+                copy(tma.with(*barrier), get<0>(part)(_, n), get<1>(part)(_, state.index()));
             } else {
-                return tma.with(*barrier, uint16_t((1u << kCluster) - 1));
+                copy(tma.with(*barrier, ctas), get<0>(part)(_, n), get<1>(part)(_, state.index()));
             }
         };
         // Key block n into the pipeline's next stage.
-        auto load_block = [&](auto& pipe, PipeState& state, auto const& tma, auto const& tg,
-                              auto const& ts, int n) {
+        auto load_block = [&](auto& pipe, PipeState& state, auto const& tma, auto const& s,
+                              auto const& gmem, int n) {
             pipe.producer_acquire(state);
-            if (issuer) {
-                copy(bound(tma, pipe.producer_get_barrier(state)), tg(_, n), ts(_, state.index()));
+            if (issuer && (kCluster == 1 || shared_kv)) {
+                load_slice(tma, pipe, state, s, gmem, rank, n, uint16_t((1u << kCluster) - 1));
+            } else if (issuer) {
+                for (int slice = 0; slice < kCluster; ++slice) {
+                    load_slice(tma, pipe, state, s, gmem, slice, n, uint16_t(1u << rank));
+                }
             }
             ++state;
         };
-        auto load_k = [&](int n) { load_block(k_pipe, k_state, a.tma_k, tKg, tKs, n); };
-        auto load_v = [&](int n) { load_block(v_pipe, v_state, a.tma_v, tVg, tVs, n); };
+        auto load_k = [&](int n) { load_block(k_pipe, k_state, a.tma_k, sK, gK, n); };
+        auto load_v = [&](int n) { load_block(v_pipe, v_state, a.tma_v, sV, gV, n); };
 
         load_k(g.n_last - 1);
         wait_query_empty();
@@ -380,19 +382,36 @@ struct Sm90FwdMainloop {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
             values_wait(n);
             take_turn();
-            if constexpr (!kIdle) {
-                wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
-                wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+            if constexpr (Traits::kTile.overlap) {
+                if constexpr (!kIdle) {
+                    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+                    wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+                }
+                pass_turn();
+                warpgroup_wait<1>();
+                keys_done(n);
+                if constexpr (!kIdle) {
+                    scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
+                }
+                if (n > g.n_first) k_pipe.consumer_wait(k_state);
+                warpgroup_wait<0>();
+                values_done();
+            } else {
+                // P's registers are free once its PV GEMM is done: S reuses them.
+                if constexpr (!kIdle) {
+                    wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+                    warpgroup_wait<0>();
+                    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+                }
+                pass_turn();
+                warpgroup_wait<0>();
+                keys_done(n);
+                values_done();
+                if constexpr (!kIdle) {
+                    scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
+                }
+                if (n > g.n_first) k_pipe.consumer_wait(k_state);
             }
-            pass_turn();
-            warpgroup_wait<1>();
-            keys_done(n);
-            if constexpr (!kIdle) {
-                scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
-            }
-            if (n > g.n_first) k_pipe.consumer_wait(k_state);
-            warpgroup_wait<0>();
-            values_done();
             OnlineSoftmax<kRows>::rescale(o_rc, corr);
             rP = convert_fragment<T>(acc_s);
         }

@@ -1,7 +1,8 @@
 // Tile schedulers of the SM90 forward. Both are persistent: the grid holds as many CTAs as fit
 // on the GPU at once, and each walks work units until they run out. A unit is kClusterM
-// neighbouring query tiles of one head, one per CTA of a cluster (they share K and V through
-// multicast).
+// neighbouring query tiles, one per CTA of a cluster. Tiles of one head share K and V through
+// multicast; where a head's tile count is not a multiple of kClusterM, a unit may span two
+// heads, and its CTAs then load K and V each for itself (Tile::shared_kv).
 //  - StaticTileScheduler: uniform tiles (no band mask). CTAs stride through the units by the
 //    grid size; the tiles of one head are adjacent, so the CTAs running at the same time share
 //    K and V in L2. Units that do not fill a last round are split by key blocks over all the
@@ -99,7 +100,8 @@ __host__ __device__ constexpr SplitPlan plan_split(int units, int clusters, int 
 }
 
 struct TileSchedulerParams {
-    int num_m_blocks;  // a multiple of the cluster size (run_fwd_sm90 checks it)
+    int num_m_blocks;  // static: num_m_blocks * nheads * batch is a multiple of the cluster
+                       // size (run_fwd_sm90 checks it)
     int nheads;
     int batch;
     // Dynamic only: the nheads * batch heads fall into `sections` sections, the first ones of
@@ -134,6 +136,8 @@ struct Tile {
     int split = -1;
     int piece = 0;
     int pieces = 1;
+    // Static, clusters: every CTA of the unit runs a tile of this head (K and V multicast).
+    bool shared_kv = true;
 };
 
 template <int kClusterM>
@@ -142,7 +146,7 @@ struct StaticTileScheduler {
     Params params;
 
     __host__ __device__ static constexpr int num_units(Params const& p) {
-        return (p.num_m_blocks / kClusterM) * p.nheads * p.batch;
+        return p.num_m_blocks * p.nheads * p.batch / kClusterM;
     }
 
     __device__ int clusters() const { return int(gridDim.x) / kClusterM; }
@@ -171,12 +175,17 @@ struct StaticTileScheduler {
         return t;
     }
 
+    // The tiles of all heads in a row, each head's from the last query tile down; unit u holds
+    // tiles [u * kClusterM, (u + 1) * kClusterM).
     __device__ Tile whole(int unit) const {
-        const int groups = params.num_m_blocks / kClusterM;
-        const int hb = unit / groups;
         const int rank = kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
-        return {(groups - 1 - unit % groups) * kClusterM + rank, hb % params.nheads,
-                hb / params.nheads};
+        const int m_blocks = params.num_m_blocks;
+        const int first = unit * kClusterM;
+        const int i = first + rank;
+        const int hb = i / m_blocks;
+        Tile t{m_blocks - 1 - (i - hb * m_blocks), hb % params.nheads, hb / params.nheads};
+        t.shared_kv = first / m_blocks == (first + kClusterM - 1) / m_blocks;
+        return t;
     }
 };
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, causal
-# over several key blocks, no mask with an even number of query tiles, no mask with its keys
-# split over several CTAs, and varlen with an empty sequence) on the kernels of the current
-# build. Run from the repo root on a GPU machine after
-# building (e.g. `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool
-# reports an error.
+# over several key blocks, no mask with an even and with an odd number of query tiles per head,
+# no mask with its keys split over several CTAs, and varlen with an empty sequence) on the
+# kernels of the current build. Run from the repo root on a GPU machine after building (e.g.
+# `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool reports an error.
 #   HEADDIM=128 DTYPE=bf16 bash scripts/sanitize.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -36,10 +35,9 @@ q = torch.randn(b, 256, h, d, device="cuda", dtype=dt)
 k = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 v = torch.randn(b, 300, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v)
-# The same past 1024 keys: at d = 128 the plain kernel's other tile (tile_config.h short_keys).
-k = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
-v = torch.randn(1, 1100, hk, d, device="cuda", dtype=dt)
-run(flash_attn_func, q[:1], k, v)
+# An odd number of query tiles per head (3 at d = 128, 5 from d = 160): some clusters pair
+# tiles of two heads, whose CTAs load K and V each for itself.
+run(flash_attn_func, torch.randn(1, 520, h, d, device="cuda", dtype=dt), k[:1], v[:1])
 # Few query tiles over many keys: the SM90 static schedule splits each tile's keys over several
 # CTAs, which merge their partial outputs through global memory (SplitPlan).
 k = torch.randn(1, 4096, hk, d, device="cuda", dtype=dt)

@@ -48,49 +48,42 @@ struct Sm90FwdTile {
     int block_m, block_n, stages;
     int consumer_warpgroups;  // each owns 64 rows of the block_m-row Q tile
     bool pingpong;            // consumer warp groups take turns issuing their GEMMs
-    int cluster_m;            // CTAs of a cluster, on neighbouring query tiles of one head,
-                              // that share each K/V tile through TMA multicast
-
-    constexpr bool operator==(Sm90FwdTile const& o) const {
-        return block_m == o.block_m && block_n == o.block_n && stages == o.stages &&
-               consumer_warpgroups == o.consumer_warpgroups && pingpong == o.pingpong &&
-               cluster_m == o.cluster_m;
-    }
+    int cluster_m;            // CTAs of a cluster, on neighbouring query tiles, that share each
+                              // K/V tile through TMA multicast
+    bool overlap = true;      // a group issues block n's S GEMM with block n + 1's PV GEMM and
+                              // runs block n's softmax while that PV GEMM runs: S, P and O are
+                              // live together. Without it the PV GEMM is done before the S GEMM
+                              // is issued, and the other groups' GEMMs fill the softmax.
 };
 
-// SM90 forward: a producer warp group feeds K and V through TMA pipelines; two consumer warp
-// groups of 64 rows each run WGMMA. The per-thread registers (consumers raise theirs to 240) hold
-// S (block_n / 2 floats), P (block_n / 4) and O (d / 2 floats), twice over S/P while the next
-// block's S GEMM overlaps this block's softmax. Shared memory (227 KiB) holds Q and `stages`
-// K and V tiles: block_n shrinks as d grows so that both fit (the d=128 band and d=256 tiles,
-// with the pipelines' barriers and the lazy softmax's 2 KiB of rounding terms, use all of it).
+// SM90 forward: a producer warp group feeds K and V through TMA pipelines; consumer warp groups
+// of 64 rows each run WGMMA and the softmax, taking turns on the tensor cores. Their registers
+// (240 each with two groups, 160 with three) hold S (block_n / 2 floats), P (block_n / 4) and O
+// (d / 2 floats). Shared memory (227 KiB) holds Q and `stages` K and V tiles.
 // Every kernel is persistent (hopper/tile_scheduler.h). `band` (causal or window mask, and the
 // shapes the cluster kernel cannot pair): tiles differ in length, so they are handed out longest
-// first through a global counter, and block_n = 128 at d = 128 wastes less on the diagonal.
-// Its three K/V stages: the next tile's Q loads while this tile's last blocks run (the
-// epilogue writes O from registers); with two stages that early load cost 3-4% at causal
-// 512-2k, with three it is within 1.5% of the shared-buffer epilogue at 512-8k.
-// Without a band the tiles are uniform and walked statically; block_n = 176 (+5% at d=128, 8k
-// when chosen; since the lazy rescale 128 x 128 with two stages measures the same).
-// `short_keys` (seqlen_k <= kSm90ShortKeys, plain kernel only): at d=128, 128 x 128 with three
-// stages instead, whose producer runs further ahead across the tile boundaries: non-causal
-// 512 +4.4..+5.0%, 1024 -0.5..+2.1%, 2048 -0.3..+1.0%, 8k -1.7..+0.6%, 16k -1.2..-1.9% in
-// three in-process A/Bs (NOTES SM90 item 55), so it stops where it stops gaining.
-// d <= 64: three consumer groups (160 registers each) on a 192-row tile give each softmax
-// more GEMM work to hide behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V
-// stages (152 KiB; the tiles are small) let the next tile's first blocks load further ahead:
-// +6-9% at 512, +3-7% at 1024, +1-3% at 2k (NOTES SM90 item 28).
+// first through a global counter. Without a band the tiles are uniform and walked statically.
+// d <= 64: three consumer groups on a 192-row tile give each softmax more GEMM work to hide
+// behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V stages (152 KiB; the tiles are
+// small) let the next tile's first blocks load further ahead: +6-9% at 512, +3-7% at 1024,
+// +1-3% at 2k (NOTES SM90 item 28).
+// d <= 128: three groups on 192 x 128 as well, without `overlap`: S + O (128 floats) fit the
+// 160 registers that S + P + O do not, and a group's softmax then runs behind the other two
+// groups' GEMMs (per block 3 x 1024 tensor cycles against ~2300 of one group's own S GEMM,
+// softmax and PV issue). Against two groups on 128 x 176 with `overlap` (the softmax and its
+// own RS PV issue, ~2550 cycles per block, had left the tensor cores idle ~20% of the time):
+// non-causal +8-10% from 2048, causal +3-8% (NOTES SM90 item 65).
+// d > 128: two groups with `overlap`; block_n shrinks as d grows so that Q and two stages fit
+// (the d=256 tile, with the pipelines' barriers and the lazy softmax's rounding terms, uses
+// all of it). Three groups would leave O alone (d / 2 floats) most of the 160 registers.
 // cluster_m = 2 from d = 128 without a band: K and V then come from L2 at 128 FLOP per byte
 // or less, and the loads, not the GEMMs, set the pace (d=128 8k: 577 TFLOP/s as is, 664 with
 // the K/V loads of all but two blocks skipped). Two query tiles sharing each load halve that
 // traffic (d=128 8k 596 -> 610, d=256 8k 647 -> 720). The cluster kernel needs an even number
-// of query tiles per head and no varlen; the band kernel (cluster_m = 1) runs the rest.
-constexpr int kSm90ShortKeys = 1024;
-constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band, bool short_keys = false) {
+// of query tiles in all and no varlen; the band kernel (cluster_m = 1) runs the rest.
+constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
     return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}  // O small: 3 groups x 64 rows
-           : d <= 128 ? (band         ? Sm90FwdTile{128, 128, 3, 2, true, 1}   // 224 KiB
-                         : short_keys ? Sm90FwdTile{128, 128, 3, 2, true, 2}   // 224 KiB
-                                      : Sm90FwdTile{128, 176, 2, 2, true, 2})  // 208 KiB
+           : d <= 128 ? Sm90FwdTile{192, 128, 2, 3, true, band ? 1 : 2, false}  // 176 KiB
            : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, band ? 1 : 2}    // 192 KiB at d=192
                       : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
