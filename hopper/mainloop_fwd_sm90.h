@@ -2,9 +2,9 @@
 //   Producer (one warp): TMA loads of Q once per tile and of K and V per key block, each into
 //   its own pipeline of shared-memory stages.
 //   Consumers (one warp group per 64 rows): S = Q K^T, score policy (softcap, mask), online
-//   softmax, O += P V. The S GEMM of block n+1 is in flight while the softmax of block n runs,
-//   and with `kPingPong` the two warp groups take turns issuing, so one group's softmax also
-//   overlaps the other's GEMMs.
+//   softmax, O += P V. With the tile's `overlap` a group's PV GEMM of block n+1 is in flight
+//   while its softmax of block n runs; with `kPingPong` the warp groups take turns issuing, so
+//   one group's softmax also overlaps the others' GEMMs (all of it without `overlap`).
 // Key blocks run from the last to the first so the masked diagonal blocks come first.
 #pragma once
 
