@@ -92,7 +92,8 @@ struct Sm90FwdTraits {
                                             std::declval<GmemShape>(), std::declval<GmemStride>()));
     using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
                                         SmemLayoutQ{}, Shape<BM, D>{}, _1{}));
-    // In a cluster each CTA loads 1/kClusterM of every K and V tile and multicasts it to all.
+    // In a cluster each CTA loads 1/kClusterM of every K and V tile and multicasts it to all
+    // (where the unit spans two heads, every slice for itself: Tile::shared_kv).
     using TmaKVOp = std::conditional_t<(kClusterM > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
     template <class Gmem>
     static auto make_tma_kv(Gmem const& gmem) {

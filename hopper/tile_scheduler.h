@@ -31,9 +31,9 @@ namespace flash {
 // (c + 1) * per), so it runs at most two pieces (the end of one tile, the start of the next).
 // Each piece's CTAs leave their partial O and LSE in a workspace, and the consumer group that
 // completes a tile's last piece merges them (Sm90FwdEpilogue::merge_pieces). Unsplit, the
-// clusters past `tail` idle through the last round: the d=128 non-causal grid runs 1024 units
-// on 66 clusters, 15.52 rounds in 16 (NOTES SM90 item 63). Also the split-KV of grids with
-// fewer units than clusters (tail = units).
+// clusters past `tail` idle through the last round: on 128 x 176 tiles the d=128 non-causal
+// grid ran 1024 units on 66 clusters, 15.52 rounds in 16 (NOTES SM90 item 63). Also the
+// split-KV of grids with fewer units than clusters (tail = units).
 struct SplitPlan {
     int full_units = 0;  // units run whole, a multiple of the clusters
     int tail = 0;        // units split after them

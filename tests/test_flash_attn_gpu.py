@@ -246,7 +246,7 @@ def test_rising_row_max(rise: str, causal: bool, d: int, dtype: str):
 # d = 128; 192-row tiles up to d = 128) fill one round of the H100's clusters and leave a tail
 # that is split by key blocks; the last one has fewer units than clusters, so every tile is
 # split. A seqlen_k that is not a multiple of the key block puts the masked block in one piece
-# only. The d = 128 shapes have 11 query tiles per head: some pairs span two heads.
+# only. The first two d = 128 shapes have 11 query tiles per head: some pairs span two heads.
 SPLIT_SHAPES = [
     ("bf16", 128, 2, 7, 2048, 4096),
     ("fp16", 128, 2, 7, 2048, 4001),
