@@ -374,10 +374,11 @@ struct Sm90FwdMainloop {
         Tensor rP = convert_fragment<T>(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
-        // Middle blocks: S of block n and O += P V of block n + 1 in flight together. Each
-        // iteration waits for the next block's K between its softmax and its PV wait: the
-        // branch there keeps ptxas from hoisting the PV wait above the softmax (it does within
-        // one basic block, which leaves the softmax no GEMM to overlap).
+        // Middle blocks: S of block n and O += P V of block n + 1. With `overlap` both are in
+        // flight together, and each iteration waits for the next block's K between its softmax
+        // and its PV wait: the branch there keeps ptxas from hoisting the PV wait above the
+        // softmax (it does within one basic block, which leaves the softmax no GEMM to overlap).
+        // Without it the PV GEMM is done before S is issued into the registers P held.
         for (--n; n >= g.n_first; --n) {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
             values_wait(n);

@@ -90,22 +90,23 @@ constexpr bool check_split(int units, int clusters, int key_blocks, bool expect_
         if (!covered[i]) return false;
     }
     for (int t = 0; t < s.tail; ++t) {
-        const int count = flash::split_piece(s, (t * key_blocks) / s.per, 0).tile == t
-                              ? flash::split_piece(s, (t * key_blocks) / s.per, 0).count
-                              : flash::split_piece(s, (t * key_blocks) / s.per, 1).count;
+        // The cluster holding the tile's first key block: its first piece or its second.
+        const int c = (t * key_blocks) / s.per;
+        const flash::SplitPiece first = flash::split_piece(s, c, 0);
+        const int count = (first.tile == t ? first : flash::split_piece(s, c, 1)).count;
         if (seen_pieces[t] != (1 << count) - 1) return false;
     }
     return true;
 }
 
-static_assert(check_split(1024, 66, 47, true), "d=128 8k: 15 rounds + 34 units split");
-static_assert(check_split(1024, 66, 94, true), "d=128 16k");
-static_assert(check_split(1024, 66, 12, false), "d=128 2k: 5 blocks shorter is too little");
+static_assert(check_split(1024, 66, 47, true), "d=128 8k on 128 x 176 tiles: 15 rounds + 34 units split");
+static_assert(check_split(1024, 66, 94, true), "d=128 16k on 128 x 176 tiles");
+static_assert(check_split(1024, 66, 12, false), "d=128 2k on 128 x 176 tiles: 5 blocks shorter is too little");
 static_assert(check_split(512, 66, 52, true), "d=256 4k: 7 rounds + 50 units");
 static_assert(check_split(2816, 132, 32, true), "d=64 4k: 21 rounds + 44 units");
 static_assert(check_split(32, 66, 47, true), "fewer units than clusters: all split");
 static_assert(check_split(1, 66, 47, true), "one unit: kMaxSplit pieces");
-static_assert(check_split(72, 66, 24, true), "one round + 6 units (a GPU test's shape)");
+static_assert(check_split(72, 66, 24, true), "one round + 6 units");
 static_assert(check_split(1024, 66, 4, false), "4 key blocks");
 static_assert(check_split(132, 66, 47, false), "whole rounds");
 static_assert(check_split(1054, 66, 47, false), "a tail of 64 / 66 is not worth splitting");
