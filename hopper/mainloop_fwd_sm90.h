@@ -375,11 +375,11 @@ struct Sm90FwdMainloop {
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
         // Middle blocks: S of block n and O += P V of block n + 1. With `overlap` both are in
-        // flight together, and each iteration waits for the next block's K between its softmax
-        // and its PV wait: the branch there keeps ptxas from hoisting the PV wait above the
-        // softmax (it does within one basic block, which leaves the softmax no GEMM to overlap).
+        // flight together, and each step waits for the next block's K between its softmax and
+        // its PV wait: the branch there keeps ptxas from hoisting the PV wait above the softmax
+        // (it does within one basic block, which leaves the softmax no GEMM to overlap).
         // Without it the PV GEMM is done before S is issued into the registers P held.
-        for (--n; n >= g.n_first; --n) {
+        auto step = [&](int n, auto may_mask) CUTLASS_LAMBDA_FUNC_INLINE {
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
             values_wait(n);
             take_turn();
@@ -391,9 +391,7 @@ struct Sm90FwdMainloop {
                 pass_turn();
                 warpgroup_wait<1>();
                 keys_done(n);
-                if constexpr (!kIdle) {
-                    scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
-                }
+                if constexpr (!kIdle) scores(acc_s, n, corr, may_mask, cute::true_type{});
                 if (n > g.n_first) k_pipe.consumer_wait(k_state);
                 warpgroup_wait<0>();
                 values_done();
@@ -408,13 +406,32 @@ struct Sm90FwdMainloop {
                 warpgroup_wait<0>();
                 keys_done(n);
                 values_done();
-                if constexpr (!kIdle) {
-                    scores(acc_s, n, corr, cute::bool_constant<Traits::kBand>{}, cute::true_type{});
-                }
+                if constexpr (!kIdle) scores(acc_s, n, corr, may_mask, cute::true_type{});
                 if (n > g.n_first) k_pipe.consumer_wait(k_state);
             }
             OnlineSoftmax<kRows>::rescale(o_rc, corr);
             rP = convert_fragment<T>(acc_s);
+        };
+        --n;
+        if constexpr (Traits::kBand && !Traits::kPackGQA) {
+            // The blocks this group's rows see whole run a step without the mask test (a copy
+            // of the plain kernel's): testing every block cost the band kernel ~5% against the
+            // plain one on the same unmasked work (NOTES SM90 item 68). Not in the packed
+            // kernel, whose row mapping leaves no registers for a second copy (it spilled in
+            // the loop).
+            int clean_lo, clean_hi;
+            mask.unmasked_key_blocks(group_q_row0, group_q_span, kBlockN, clean_lo, clean_hi);
+            clean_lo = max(clean_lo, g.n_first);
+            while (n >= g.n_first) {
+                if (n < clean_hi && n >= clean_lo) {
+                    for (; n >= clean_lo; --n) step(n, cute::false_type{});
+                } else {
+                    step(n, cute::true_type{});
+                    --n;
+                }
+            }
+        } else {
+            for (; n >= g.n_first; --n) step(n, cute::bool_constant<Traits::kBand>{});
         }
 
         // Last block: O += P V only.

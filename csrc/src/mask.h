@@ -13,7 +13,7 @@ struct BandMask {
     int right;  // < 0: unbounded
 
     // Row i keeps columns [i + shift - left, i + shift + right] intersected with [0, seqlen_k).
-    __host__ __device__ int shift() const { return seqlen_k - seqlen_q; }
+    __host__ __device__ constexpr int shift() const { return seqlen_k - seqlen_q; }
 
     __host__ __device__ bool keep(int row, int col) const {
         if (col >= seqlen_k) return false;
@@ -52,11 +52,32 @@ struct BandMask {
     }
 
     // True when some element of the tile is masked, so the per-element test must run.
-    __host__ __device__ bool tile_needs_mask(int row0, int rows, int col0, int cols) const {
+    __host__ __device__ constexpr bool tile_needs_mask(int row0, int rows, int col0,
+                                                       int cols) const {
         if (col0 + cols > seqlen_k) return true;
         if (right >= 0 && col0 + cols - 1 > row0 + shift() + right) return true;
         if (left >= 0 && col0 < row0 + rows - 1 + shift() - left) return true;
         return false;
+    }
+
+    // Key blocks [lo, hi) in which no element of rows [row0, row0 + rows) is masked: exactly
+    // the blocks n >= 0 with !tile_needs_mask(row0, rows, n * block_n, block_n). Empty when
+    // lo >= hi.
+    __host__ __device__ constexpr void unmasked_key_blocks(int row0, int rows, int block_n,
+                                                           int& lo, int& hi) const {
+        // Block n ends at column (n + 1) * block_n - 1: within the keys and the right bound.
+        hi = seqlen_k / block_n;
+        if (right >= 0) {
+            const int end = row0 + shift() + right + 1;  // first column the top row drops
+            const int by_right = end > 0 ? end / block_n : 0;
+            hi = by_right < hi ? by_right : hi;
+        }
+        // Block n starts at column n * block_n: at or past the bottom row's left bound.
+        lo = 0;
+        if (left >= 0) {
+            const int begin = row0 + rows - 1 + shift() - left;
+            lo = begin > 0 ? (begin + block_n - 1) / block_n : 0;
+        }
     }
 };
 

@@ -1,0 +1,41 @@
+// Compile-time tests of the mask policy (this file must compile): BandMask::unmasked_key_blocks
+// names exactly the key blocks in which tile_needs_mask finds nothing to mask, for causal,
+// window and unbounded bands, seqlen_q above, equal to and below seqlen_k, and row ranges that
+// start before the sequence (end-aligned top tiles) or run past it.
+#include "mask.h"
+
+namespace {
+
+constexpr bool check_mask(int seqlen_q, int seqlen_k, int left, int right, int block_n) {
+    const flash::BandMask mask{seqlen_q, seqlen_k, left, right};
+    for (int row0 = -64; row0 < seqlen_q + 64; row0 += 13) {
+        for (int rows : {1, 64, 77}) {
+            int lo = 0, hi = 0;
+            mask.unmasked_key_blocks(row0, rows, block_n, lo, hi);
+            for (int n = 0; n * block_n < seqlen_k + 2 * block_n; ++n) {
+                const bool clean = n >= lo && n < hi;
+                if (clean == mask.tile_needs_mask(row0, rows, n * block_n, block_n)) return false;
+            }
+        }
+    }
+    return true;
+}
+
+constexpr bool check_all() {
+    for (int block_n : {64, 128, 176}) {
+        for (int sq : {1, 100, 300}) {
+            for (int sk : {1, 128, 300, 513}) {
+                for (int left : {-1, 0, 40, 200}) {
+                    for (int right : {-1, 0, 7, 150}) {
+                        if (!check_mask(sq, sk, left, right, block_n)) return false;
+                    }
+                }
+            }
+        }
+    }
+    return true;
+}
+
+static_assert(check_all(), "unmasked_key_blocks disagrees with tile_needs_mask");
+
+}  // namespace
