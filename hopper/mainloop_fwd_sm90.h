@@ -159,10 +159,10 @@ struct Sm90FwdMainloop {
 
         // Q's load waits for the previous tile's consumers to release the buffer, and Q (read
         // once per tile) comes from HBM: ~4500 cycles under load, part of which each tile
-        // boundary waits for. At d <= 64 (four K/V stages: this runs a few blocks before that
-        // tile ends) warming L2 with Q here gained +0.6..+1.9%; at d >= 128 (two stages) it
-        // did not (-1.4..+2.0%, NOTES SM90 item 69).
-        if constexpr (D::value <= 64 && !Traits::kPackGQA) {
+        // boundary waits for. With four K/V stages (d <= 64) this runs a few blocks before that
+        // tile ends, and warming L2 with Q here gained +0.6..+1.9%; with two (d >= 128) it runs
+        // one or two blocks before and did not (-1.4..+2.0%, NOTES SM90 item 69).
+        if constexpr (Traits::kStages >= 4 && !Traits::kPackGQA) {
             if (issuer) prefetch(a.tma_q, tQg);
         }
         load_k(g.n_last - 1);
