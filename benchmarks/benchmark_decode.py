@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Decode-shape benchmark of the Hopper forward's GQA packing: a few query rows against a long
-KV cache, with the query heads of one KV head packed into shared tiles (FLASH_ATTN_PACK_GQA=1)
-and not (=0), in one process, on the same tensors; SDPA (default backend choice, K/V expanded
-to every query head, as a model without GQA support would call it) alongside.
+"""Decode-shape benchmark of the Hopper forward's GQA packing and split-KV: a few query rows
+against a long KV cache, with the query heads of one KV head packed into shared tiles
+(FLASH_ATTN_PACK_GQA=1) and not (=0), and packed with each tile's keys split over SMs (the
+default where the tiles are few) and not (FLASH_ATTN_SPLIT=0), in one process, on the same
+tensors; SDPA (default backend choice, K/V expanded to every query head, as a model without
+GQA support would call it) alongside.
 
 Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16, causal
 (bottom-right aligned, as in decoding). Each call is captured once in a CUDA graph and the
@@ -66,8 +68,10 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
           f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
-          "speedup | packed GB/s | SDPA us |")
-    print("|---|---|---|---|---|---|---|---|")
+          "speedup | packed, unsplit us | split speedup | packed GB/s | SDPA us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
+                "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
     torch.manual_seed(0)
     for sk in [int(x) for x in args.seqlens_k.split(",")]:
         for sq in [int(x) for x in args.seqlens_q.split(",")]:
@@ -78,11 +82,12 @@ def main(argv=None) -> int:
                 v = torch.randn_like(k)
                 us = {}
                 with torch.no_grad():
-                    for setting in ("0", "1"):
-                        os.environ["FLASH_ATTN_PACK_GQA"] = setting
-                        us[setting] = 1e3 * graphed_ms(
+                    for name, env in settings.items():
+                        os.environ.update(env)
+                        us[name] = 1e3 * graphed_ms(
                             lambda: flash_attn.flash_attn_func(q, k, v, causal=True), timer, args)
-                    os.environ.pop("FLASH_ATTN_PACK_GQA")
+                        for var in env:
+                            os.environ.pop(var)
                     qt = q.transpose(1, 2)
                     kt = k.transpose(1, 2).repeat_interleave(h // hk, dim=1)
                     vt = v.transpose(1, 2).repeat_interleave(h // hk, dim=1)
@@ -93,8 +98,9 @@ def main(argv=None) -> int:
                         timer, args)
                 kv_bytes = 2 * k.numel() * k.element_size()
                 print(f"| {sq} | {sk} | {h}:{hk} | {us['0']:.1f} | {us['1']:.1f} | "
-                      f"{us['0'] / us['1']:.2f} | {kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | "
-                      f"{us['sdpa']:.1f} |", flush=True)
+                      f"{us['0'] / us['1']:.2f} | {us['unsplit']:.1f} | "
+                      f"{us['unsplit'] / us['1']:.2f} | "
+                      f"{kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | {us['sdpa']:.1f} |", flush=True)
     return 0
 
 

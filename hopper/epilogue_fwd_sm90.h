@@ -93,9 +93,11 @@ struct Sm90FwdEpilogue {
     // acc_o and lse, weighting each by exp(its LSE - the merged LSE). Returns whether this group
     // now holds the tile's output (and stores it). The pieces run at the same time on other SMs:
     // each releases its writes before it counts itself in, and the merging group reads the
-    // others' from L2 (ld.global.cg) after its count.
+    // others' from L2 (ld.global.cg) after its count. Rows outside the sequence (`g`) are
+    // neither written nor merged: a decode tile holds a few rows of its block_m.
     template <class AccO, int kRows>
-    static __device__ bool merge_pieces(SplitPlan const& s, Tile const& t, AccO& acc_o,
+    static __device__ bool merge_pieces(SplitPlan const& s, Tile const& t,
+                                        Sm90TileGeometry const& g, AccO& acc_o,
                                         float (&lse)[kRows]) {
         static_assert(kRows == kAccRows);
         constexpr int kThreads = Traits::kConsumerThreads;
@@ -109,6 +111,13 @@ struct Sm90FwdEpilogue {
         const int group = consumer_group();
         const int rank = Traits::kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
         const index_t slot = index_t(t.split) * Traits::kClusterM + rank;
+        typename Traits::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<BM, D>{}));
+        Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+        auto in_sequence = [&](int r) {
+            const int row = get<0>(cO_rc(r, 0));
+            return row < g.rows && row >= g.row_begin;
+        };
         auto o_of = [&](int piece, int r, int j) {
             return reinterpret_cast<float4*>(s.o) +
                    ((slot * s.max_pieces + piece) * kRows * kQuads + r * kQuads + j) * kThreads +
@@ -119,6 +128,7 @@ struct Sm90FwdEpilogue {
         };
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
+            if (!in_sequence(r)) continue;
             CUTE_UNROLL
             for (int j = 0; j < kQuads; ++j) {
                 __stcg(o_of(t.piece, r, j), make_float4(o_rc(r, 4 * j), o_rc(r, 4 * j + 1),
@@ -140,23 +150,21 @@ struct Sm90FwdEpilogue {
         if (!barrier_sync_or(epilogue_barrier(group), 128, last)) return false;
 
         // A row that saw no key in a piece has LSE +inf and O 0 there (OnlineSoftmax::
-        // finalize): it weighs nothing.
+        // finalize): it weighs nothing. The pieces are summed in their order, this group's own
+        // read back like the others', so the result does not depend on which piece finished
+        // last: the forward stays deterministic.
         auto live = [](float x) { return x == INFINITY ? -INFINITY : x; };
+        auto lse_piece = [&](int q, int r) { return q == t.piece ? lse[r] : __ldcg(lse_of(q, r)); };
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-            float top = live(lse[r]);
-            for (int q = 0; q < t.pieces; ++q) {
-                if (q != t.piece) top = fmaxf(top, live(__ldcg(lse_of(q, r))));
-            }
-            auto weight = [&](float piece_lse) {
-                return top == -INFINITY ? 0.f : __expf(live(piece_lse) - top);
-            };
-            float sum = weight(lse[r]);
+            if (!in_sequence(r)) continue;
+            float top = -INFINITY;
+            for (int q = 0; q < t.pieces; ++q) top = fmaxf(top, live(lse_piece(q, r)));
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= sum;
+            for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) = 0.f;
+            float sum = 0.f;
             for (int q = 0; q < t.pieces; ++q) {
-                if (q == t.piece) continue;
-                const float w = weight(__ldcg(lse_of(q, r)));
+                const float w = top == -INFINITY ? 0.f : __expf(live(lse_piece(q, r)) - top);
                 sum += w;
                 CUTE_UNROLL
                 for (int j = 0; j < kQuads; ++j) {

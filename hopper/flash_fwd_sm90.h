@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const bool varlen = a.p.is_varlen();
         auto has_rows = [&](int u) {
             const Tile t = sched.tile(u);
-            return Mainloop::geometry(a.p, SeqInfo(a.p, t.bidb), t.m_block).has_rows();
+            return Mainloop::geometry(a.p, SeqInfo(a.p, t.bidb), t).has_rows();
         };
         auto next_with_rows = [&](int u, bool fetch) {
             while (fetch || (varlen && sched.valid(u) && !has_rows(u))) {
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         while (unit != TileQueue::kDone) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
-            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
+            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t);
             if (g.has_keys()) {
                 Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
                                t.m_block, t.shared_kv, g, wait_query_empty);
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int unit = ss.tiles.pop(taken++); unit != TileQueue::kDone;) {
             const Tile t = sched.tile(unit);
             const SeqInfo seq(a.p, t.bidb);
-            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t.m_block, t.n_begin, t.n_end);
+            const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t);
             // The producer hands out tiles with query rows only.
             Tensor acc_o =
                 partition_fragment_C(mma_pv, Shape<typename Traits::BM, typename Traits::D>{});
@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             // A piece of a split tile: only the group that merges the pieces stores the rows.
             bool stores = true;
-            if constexpr (!Traits::kBand) {
-                if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, acc_o, lse);
+            if constexpr (Traits::kSplitTiles) {
+                if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, g, acc_o, lse);
             }
             if (staged) {
                 if (stores) {
@@ -285,22 +285,32 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     TileSchedulerParams sched = make_scheduler_params(
         query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads), nullptr);
     const int clusters = resident_clusters<Traits>();
+    const int key_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    // Workspace slots of split tiles (each with max_pieces partial outputs) and counters: the
+    // dynamic scheduler's, then one per slot and consumer group.
+    int64_t slots = 0;
+    int64_t counters = 0;
+    if constexpr (Traits::kBand) {
+        const int tiles = Traits::Scheduler::num_units(sched);
+        if (Traits::kSplitTiles && split_enabled()) {
+            sched.pieces = kv_pieces(tiles, clusters, key_blocks);
+        }
+        if (sched.pieces > 1) {
+            slots = tiles;
+            sched.split.max_pieces = sched.pieces;
+        }
+        counters = 1;
+    } else {
+        if (split_enabled()) sched.split = plan_split(Traits::Scheduler::num_units(sched), clusters, key_blocks);
+        slots = int64_t(sched.split.tail) * Traits::kClusterM;
+    }
     const int units = Traits::Scheduler::num_units(sched);
     int grid = std::min(units, clusters);
-    int64_t counters = 1;  // the dynamic scheduler's
-    if constexpr (!Traits::kBand) {
-        counters = 0;
-        if (split_enabled()) {
-            sched.split = plan_split(units, clusters, (p.seqlen_k + kBlockN - 1) / kBlockN);
-        }
-        if (sched.split.per > 0) {
-            grid = clusters;
-            counters = int64_t(sched.split.tail) * Traits::kClusterM * Traits::kConsumerWarpGroups;
-        }
-    }
+    if (sched.split.per > 0) grid = clusters;
+    const int64_t arrived_offset = counters;
+    counters += slots * Traits::kConsumerWarpGroups;
     // Workspace: the counters (zeroed here), then a split's partial LSEs and outputs.
-    const int64_t slots_pieces =
-        int64_t(sched.split.tail) * Traits::kClusterM * sched.split.max_pieces;
+    const int64_t slots_pieces = slots * sched.split.max_pieces;
     auto round_up = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
     const int64_t counter_bytes = round_up(counters * int64_t(sizeof(int)));
     const int64_t lse_bytes = round_up(slots_pieces * Epilogue::kPieceLseBytes);
@@ -309,7 +319,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         char* ws = static_cast<char*>(
             p.workspace.allocate(p.workspace.context, counter_bytes + lse_bytes + o_bytes));
         sched.counter = reinterpret_cast<int*>(ws);
-        sched.split.arrived = reinterpret_cast<int*>(ws);
+        sched.split.arrived = reinterpret_cast<int*>(ws) + arrived_offset;
         sched.split.lse = reinterpret_cast<float*>(ws + counter_bytes);
         sched.split.o = reinterpret_cast<float*>(ws + counter_bytes + lse_bytes);
         cudaMemsetAsync(ws, 0, counters * sizeof(int), stream);
@@ -332,21 +342,25 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     cudaLaunchKernelEx(&launch.config, flash_fwd_sm90_kernel<Traits>, args);
 }
 
-// GQA packing (query heads of one KV head in one tile) where it saves at least a quarter of the
-// tiles of one head per tile: short query sequences (decode). Where it saves less, the unpacked
+// The packed kernel's query heads per tile (GQA packing: the query heads of one KV head share
+// tiles), or 0 for the unpacked kernels. Packs where that saves at least a quarter of the tiles
+// of one head per tile: short query sequences (decode). Where it saves less, the unpacked
 // kernels are faster: the packed one gathers Q with cp.async, stores O from registers and never
 // runs in clusters (4 query heads per KV head, packed / unpacked: d=128 non-causal 2048 0.94,
-// 8k 0.93, causal 2048 0.93; d=256 non-causal 2048 0.90, NOTES SM90 item 68).
+// 8k 0.93, causal 2048 0.93; d=256 non-causal 2048 0.90, NOTES SM90 item 68). `few_tiles`: the
+// band kernel would run too few tiles to fill the GPU against many keys; the packed kernel
+// (also for a group of one query head) splits each tile's keys over SMs (kv_pieces).
 // FLASH_ATTN_PACK_GQA=1 packs every GQA call, =0 none (tests run both).
-inline int pack_gqa_factor(FwdParams const& p, int block_m) {
+inline int pack_gqa_factor(FwdParams const& p, int block_m, bool few_tiles) {
     const int group = p.nheads / p.nheads_k;
-    if (group == 1) return 1;
     const char* env = std::getenv("FLASH_ATTN_PACK_GQA");
-    if (env != nullptr && env[0] == '0') return 1;
+    if (env != nullptr && env[0] == '0') return 0;
+    if (few_tiles) return group;
+    if (group == 1) return 0;
     if (env != nullptr && env[0] == '1') return group;
     const int64_t packed = (int64_t(p.seqlen_q) * group + block_m - 1) / block_m;
     const int64_t unpacked = int64_t(group) * ((p.seqlen_q + block_m - 1) / block_m);
-    return 4 * packed <= 3 * unpacked ? group : 1;
+    return 4 * packed <= 3 * unpacked ? group : 0;
 }
 
 template <class T, int kHeadDim>
@@ -354,21 +368,27 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
-    p.pack_gqa = pack_gqa_factor(p, Packed::kBlockM);
-    if (p.pack_gqa > 1) {
-        launch_fwd_sm90<Packed>(p, stream);
-        return;
-    }
+    p.pack_gqa = 1;
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
-    // seqused_k), and its clusters pair query tiles: all heads' tiles must make whole pairs.
-    // Other shapes take the band kernel, whose mask and schedule handle them.
+    // seqused_k), and its clusters pair query tiles: all heads' tiles must make whole pairs. It
+    // splits the keys of a grid with few tiles itself (SplitPlan). Other shapes take the band
+    // kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
-    if (!band && batched && whole_clusters<Plain>(p)) {
+    const bool plain = !band && batched && whole_clusters<Plain>(p);
+    const bool few_tiles =
+        !plain && split_enabled() &&
+        kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, resident_clusters<Packed>(),
+                  (p.seqlen_k + Band::kBlockN - 1) / Band::kBlockN) > 1;
+    const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
+    if (pack > 0) {
+        p.pack_gqa = pack;
+        launch_fwd_sm90<Packed>(p, stream);
+    } else if (plain) {
         launch_fwd_sm90<Plain>(p, stream);
-        return;
+    } else {
+        launch_fwd_sm90<Band>(p, stream);
     }
-    launch_fwd_sm90<Band>(p, stream);
 }
 
 }  // namespace flash

@@ -39,8 +39,13 @@ struct Sm90FwdTraits {
     static constexpr bool kPingPong = kTile.pingpong;
     static constexpr int kClusterM = kTile.cluster_m;
     static_assert(kClusterM == 1 || !kBand, "band tiles differ in length: no lockstep pairs");
-    using Scheduler =
-        std::conditional_t<kBand, DynamicTileScheduler, StaticTileScheduler<kClusterM>>;
+    // Tiles split by keys, their pieces merged by the last to finish: the plain kernel's last
+    // round, and the packed kernel's few tiles against many keys (decode; run_fwd_sm90 sends
+    // such grids there also without GQA). Not the unpacked band kernel: the merge in its tile
+    // loop cost 5.6% at d=64 causal 512.
+    static constexpr bool kSplitTiles = !kBand || kPackGQA;
+    using Scheduler = std::conditional_t<kBand, DynamicTileScheduler<kSplitTiles>,
+                                         StaticTileScheduler<kClusterM>>;
     // A consumer group whose rows all lie outside the sequence skips its GEMMs (the mainloop's
     // `idle`). Only for 192-row tiles, which often overhang (512 rows are 2.67 tiles): d=64
     // causal +2.4..+5.8% at 512-2048. The second copy of the tile loop made the d=256 kernels

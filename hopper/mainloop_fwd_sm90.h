@@ -54,23 +54,24 @@ struct Sm90FwdMainloop {
         return Traits::kPackGQA ? p.pack_gqa : 1;
     }
 
-    // [n_begin, n_end): the key blocks of the unit (a piece of a split tile: static tiles only).
+    // The unit's tile, and its key blocks where it is a piece of a split tile (Tile).
     static __device__ Sm90TileGeometry geometry(FwdParams const& p, SeqInfo const& seq,
-                                                int m_block, int n_begin = 0,
-                                                int n_end = kAllKeyBlocks) {
+                                                Tile const& t) {
         const int pack = pack_factor(p);
         Sm90TileGeometry g;
         const int seq_rows = seq.seqlen_q * pack;
         const int pad = Traits::kEndAligned ? (kBlockM - seq_rows % kBlockM) % kBlockM : 0;
-        g.row0 = m_block * kBlockM - pad;
+        g.row0 = t.m_block * kBlockM - pad;
         g.row_begin = max(0, -g.row0);
         g.rows = min(kBlockM, seq_rows - g.row0);
         g.q_row0 = g.row0 / pack;
         g.q_span = (g.row0 + kBlockM - 1) / pack - g.q_row0 + 1;
         seq.mask(p).key_block_range(g.q_row0, g.q_span, kBlockN, g.n_first, g.n_last);
-        if constexpr (!Traits::kBand) {
-            g.n_first = max(g.n_first, n_begin);
-            g.n_last = min(g.n_last, n_end);
+        if constexpr (Traits::kBand && Traits::kSplitTiles) {
+            if (t.pieces > 1) piece_key_blocks(t.piece, t.pieces, g.n_first, g.n_last);
+        } else if constexpr (!Traits::kBand) {
+            g.n_first = max(g.n_first, t.n_begin);
+            g.n_last = min(g.n_last, t.n_end);
         }
         return g;
     }
@@ -194,8 +195,10 @@ struct Sm90FwdMainloop {
     // GQA packing: packed row r of the tile is query row (row0 + r) / G of head
     // kv_head * G + (row0 + r) % G. No TMA box describes those rows for a run-time G, so the
     // consumer warp groups gather them with 16-byte cp.async (head-dim padding zero-filled, as
-    // TMA does; rows past the sequence are left as they are, their scores are never stored),
-    // then make the writes visible to WGMMA (the async proxy) before either group reads them.
+    // TMA does), then make the writes visible to WGMMA (the async proxy) before either group
+    // reads them. Rows past the sequence are zeroed: their scores are never stored, but the
+    // lazy softmax's warp-wide vote reads them, and whatever an earlier tile left there would
+    // change the rounding of the rows that are stored from run to run.
     static __device__ void gather_packed_query(FwdParams const& p, SharedStorage& ss,
                                                SeqInfo const& seq, int bidb, int kv_head,
                                                Sm90TileGeometry const& g) {
@@ -212,6 +215,10 @@ struct Sm90FwdMainloop {
             SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
                 *reinterpret_cast<const uint128_t*>(src + (in_dim ? c : 0)),
                 *reinterpret_cast<uint128_t*>(&sQ(r, c)), in_dim);
+        }
+        for (int i = int(threadIdx.x) - 128 + g.rows * kChunks; i < kBlockM * kChunks;
+             i += Traits::kConsumerThreads) {
+            *reinterpret_cast<uint4*>(&sQ(i / kChunks, (i % kChunks) * 8)) = make_uint4(0, 0, 0, 0);
         }
         cp_async_wait<0>();
         cutlass::arch::fence_view_async_shared();

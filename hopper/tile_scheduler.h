@@ -14,7 +14,9 @@
 //    together; the sections differ by at most one head, the larger ones last. A small last
 //    section would start its longest tiles when most CTAs are about to run dry (a list-
 //    scheduling model of the causal grid: 87% of the ideal at d=256 2k with a 1-head tail
-//    section, 97% balanced).
+//    section, 97% balanced). Where the tiles are too few to fill the GPU (decode: a few
+//    query rows per KV head against a long cache), each tile's keys are split into `pieces`
+//    units (kv_pieces), merged as the static schedule's pieces are.
 // Only the producer warp asks the scheduler for the next unit; the consumers read it from a
 // TileQueue in shared memory.
 #pragma once
@@ -110,8 +112,39 @@ struct TileSchedulerParams {
     int section_heads;
     int wide_sections;
     int* counter;  // dynamic only: zero at launch, counts the units handed out
-    SplitPlan split;  // static only
+    // Static: the split last round. Dynamic: only the workspace (o, lse, arrived, max_pieces =
+    // pieces) of split tiles.
+    SplitPlan split;
+    int pieces = 1;  // dynamic only: units per tile, each a share of its key blocks
 };
+
+// Dynamic schedule: pieces per tile where `tiles` leave at least three quarters of `clusters`
+// idle. Decode at d=128 (benchmark_decode.py, NOTES SM90 item 72): 32 tiles in 4 pieces ran
+// 1.20-1.88x as fast as unsplit; 64 tiles in 2 pieces 0.95-0.99x at 10 of 12 shapes (64 SMs
+// already read K/V at 2.0-2.8 TB/s). Each
+// piece keeps at least kMinPieceBlocks key blocks (its fill, drain and partial output cost
+// about a tile's fixed cost), and at most kMaxPieces pieces are merged.
+constexpr int kMinPieceBlocks = 4;
+constexpr int kMaxPieces = 16;
+__host__ __device__ constexpr int kv_pieces(int tiles, int clusters, int key_blocks) {
+    if (tiles <= 0 || 4 * tiles > clusters) return 1;
+    int pieces = clusters / tiles;
+    pieces = pieces < kMaxPieces ? pieces : kMaxPieces;
+    const int by_keys = key_blocks / kMinPieceBlocks;
+    pieces = pieces < by_keys ? pieces : by_keys;
+    return pieces > 1 ? pieces : 1;
+}
+
+// Key blocks [n_first, n_last) of piece `piece` of `pieces` of a tile that sees [n_first,
+// n_last): consecutive shares, the last one shorter (possibly empty).
+__host__ __device__ constexpr void piece_key_blocks(int piece, int pieces, int& n_first,
+                                                    int& n_last) {
+    const int per = (n_last - n_first + pieces - 1) / pieces;
+    const int begin = n_first + piece * per;
+    const int end = begin + per;
+    n_first = begin < n_last ? begin : n_last;
+    n_last = end < n_last ? end : n_last;
+}
 
 // Sections of at most `max_heads` heads each, as even as possible.
 __host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_m_blocks, int nheads, int batch,
@@ -129,8 +162,10 @@ struct Tile {
     int m_block;
     int bidh;
     int bidb;
-    // Key blocks [n_begin, n_end) of the tile this unit computes (clamped to what its rows see),
-    // and for a piece of a split tile (split >= 0: its tail tile) which of `pieces` it is.
+    // Static: key blocks [n_begin, n_end) of the tile this unit computes (clamped to what its
+    // rows see). A piece of a split tile has split >= 0 (its workspace slot: the static tail
+    // tile, or the dynamic tile's index) and is piece `piece` of `pieces`; a dynamic piece
+    // takes its share of the keys its tile's rows see (piece_key_blocks).
     int n_begin = 0;
     int n_end = kAllKeyBlocks;
     int split = -1;
@@ -189,12 +224,15 @@ struct StaticTileScheduler {
     }
 };
 
+// kPieces: tiles may be split by keys (Params::pieces); without it the schedule has no code
+// for pieces (the band kernel's producer spilled more with it).
+template <bool kPieces>
 struct DynamicTileScheduler {
     using Params = TileSchedulerParams;
     Params params;
 
     __host__ __device__ static constexpr int num_units(Params const& p) {
-        return p.num_m_blocks * p.nheads * p.batch;
+        return p.num_m_blocks * p.nheads * p.batch * (kPieces ? p.pieces : 1);
     }
 
     __device__ int first() const { return int(blockIdx.x); }
@@ -202,7 +240,21 @@ struct DynamicTileScheduler {
     __device__ int next(int) const { return int(gridDim.x) + atomicAdd(params.counter, 1); }
     __device__ bool valid(int unit) const { return unit < num_units(params); }
 
+    // The pieces of one tile are neighbouring units, so they run at the same time.
     __host__ __device__ constexpr Tile tile(int unit) const {
+        if constexpr (!kPieces) return whole_tile(unit);
+        const int pieces = params.pieces;
+        const int whole = pieces == 1 ? unit : unit / pieces;
+        Tile t = whole_tile(whole);
+        if (pieces > 1) {
+            t.split = whole;
+            t.piece = unit - whole * pieces;
+            t.pieces = pieces;
+        }
+        return t;
+    }
+
+    __host__ __device__ constexpr Tile whole_tile(int unit) const {
         const int narrow = params.sections - params.wide_sections;
         const int narrow_units = narrow * params.section_heads * params.num_m_blocks;
         const bool wide = unit >= narrow_units;

@@ -280,6 +280,77 @@ def test_split_last_round(dtype: str, d: int, b: int, h: int, sq: int, sk: int, 
 
 
 # ---------------------------------------------------------------------------------------------
+# Split-KV of the dynamic schedule (SM90 band and packed kernels), forward only
+# ---------------------------------------------------------------------------------------------
+
+# (dtype, d, batch, heads, heads_k, seqlen_q, seqlen_k, causal, window): grids of a few tiles
+# against many key blocks, so each tile's keys are split over SMs and the pieces merged: decode
+# with GQA packing, a short causal query block against a long prefix, a window, and key counts
+# that are not a multiple of the key block (the last piece shorter).
+KV_SPLIT_SHAPES = [
+    ("bf16", 128, 2, 8, 2, 1, 4100, True, None),
+    ("fp16", 64, 1, 16, 1, 3, 2500, True, None),
+    ("bf16", 256, 1, 4, 4, 100, 3000, True, None),
+    ("bf16", 128, 1, 4, 2, 150, 5000, False, (1000, 200)),
+    ("bf16", 96, 3, 2, 1, 7, 9000, False, None),
+]
+
+
+@pytest.mark.parametrize("split", ["0", "1"])
+@pytest.mark.parametrize("dtype,d,b,h,hk,sq,sk,causal,window", KV_SPLIT_SHAPES,
+                         ids=[f"{s[0]}-d{s[1]}-b{s[2]}h{s[3]}k{s[4]}-{s[5]}x{s[6]}"
+                              f"{'-causal' if s[7] else ''}{'-window' if s[8] else ''}"
+                              for s in KV_SPLIT_SHAPES])
+def test_split_kv_dynamic(dtype: str, d: int, b: int, h: int, hk: int, sq: int, sk: int,
+                          causal: bool, window: Optional[Tuple[int, int]], split: str,
+                          monkeypatch):
+    """Output and LSE where the dynamic schedule splits each tile's keys into pieces (default)
+    and where it does not (FLASH_ATTN_SPLIT=0). The SM80 path ignores the variable."""
+    if split == "0":
+        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
+    else:
+        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(31)
+    q = rand(b, sq, h, d, dtype=DTYPES[dtype], requires_grad=False)
+    k = rand(b, sk, hk, d, dtype=DTYPES[dtype], requires_grad=False)
+    v = rand(b, sk, hk, d, dtype=DTYPES[dtype], requires_grad=False)
+    kw = dict(causal=causal, window_size=window or (-1, -1))
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE, **kw)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **kw)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_lse("softmax_lse", lse, lse_ref)
+    # The merge sums the pieces in a fixed order, whichever finished last.
+    for _ in range(3):
+        assert torch.equal(flash_attn_func(q, k, v, **kw), out)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_split_kv_seqused_k(d: int):
+    """A KV cache filled to a different length per sequence (seqused_k), split into pieces:
+    pieces past a sequence's used keys see none, and the rows past it hold NaN."""
+    torch.manual_seed(37)
+    b, sq, sk, h, hk = 3, 2, 6000, 8, 2
+    q = rand(b, sq, h, d, dtype=torch.bfloat16, requires_grad=False)
+    k = rand(b, sk, hk, d, dtype=torch.bfloat16, requires_grad=False)
+    v = rand(b, sk, hk, d, dtype=torch.bfloat16, requires_grad=False)
+    used = [6000, 700, 2049]
+    for i, n in enumerate(used):
+        k[i, n:] = float("nan")
+        v[i, n:] = float("nan")
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, _ = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, sq, sk, d ** -0.5, True,
+                                       -1, 0, 0.0)
+    for i, n in enumerate(used):
+        kv = dict(causal=True)
+        ref, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
+                               compute_dtype=REF_DTYPE, **kv)
+        pt, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
+                              compute_dtype=q.dtype, **kv)
+        assert_accuracy(f"out[{i}]", out[i:i + 1], ref, pt, 2)
+
+
+# ---------------------------------------------------------------------------------------------
 # GQA / MQA
 # ---------------------------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@
 //    units, every key block of every tail tile is in exactly one piece, a tile's pieces are
 //    numbered 0..count-1 with count <= max_pieces and <= kMaxSplit + 1, and the split is made
 //    only where it shortens the last round by at least kSplitMinSaving key blocks.
+//  - Dynamic with split tiles (kv_pieces, decode): each (tile, piece) comes out once, a tile's
+//    pieces are neighbouring units, and the pieces' key blocks cover the tile's exactly, in order.
 #include "tile_scheduler.h"
 
 namespace {
@@ -15,9 +17,9 @@ constexpr int kMaxTiles = 512;
 constexpr bool check_schedule(int m_blocks, int nheads, int batch, int max_heads) {
     const flash::TileSchedulerParams p =
         flash::make_scheduler_params(m_blocks, nheads, batch, max_heads, nullptr);
-    const flash::DynamicTileScheduler sched{p};
+    const flash::DynamicTileScheduler<false> sched{p};
     const int heads = nheads * batch;
-    const int units = flash::DynamicTileScheduler::num_units(p);
+    const int units = flash::DynamicTileScheduler<false>::num_units(p);
     if (units != m_blocks * heads || units > kMaxTiles) return false;
     if (p.section_heads + (p.wide_sections > 0 ? 1 : 0) > max_heads) return false;
     if ((p.sections - p.wide_sections) * p.section_heads +
@@ -110,5 +112,53 @@ static_assert(check_split(72, 66, 24, true), "one round + 6 units");
 static_assert(check_split(1024, 66, 4, false), "4 key blocks");
 static_assert(check_split(132, 66, 47, false), "whole rounds");
 static_assert(check_split(1054, 66, 47, false), "a tail of 64 / 66 is not worth splitting");
+
+constexpr bool check_pieces(int m_blocks, int nheads, int batch, int clusters, int n_first,
+                            int n_last, int expect_pieces) {
+    flash::TileSchedulerParams p =
+        flash::make_scheduler_params(m_blocks, nheads, batch, nheads * batch, nullptr);
+    const int tiles = flash::DynamicTileScheduler<true>::num_units(p);
+    p.pieces = flash::kv_pieces(tiles, clusters, n_last);
+    if (p.pieces != expect_pieces) return false;
+    if (p.pieces > flash::kMaxPieces || (p.pieces > 1 && 4 * tiles > clusters)) return false;
+    const flash::DynamicTileScheduler<true> sched{p};
+    const int units = flash::DynamicTileScheduler<true>::num_units(p);
+    if (units != tiles * p.pieces || units > kMaxTiles) return false;
+    bool seen[kMaxTiles] = {};
+    for (int u = 0; u < units; ++u) {
+        const flash::Tile t = sched.tile(u);
+        const flash::Tile whole = sched.whole_tile(u / p.pieces);
+        if (t.m_block != whole.m_block || t.bidh != whole.bidh || t.bidb != whole.bidb) return false;
+        if (p.pieces == 1) {
+            if (t.split != -1 || t.pieces != 1) return false;
+            continue;
+        }
+        if (t.split != u / p.pieces || t.pieces != p.pieces || t.piece != u % p.pieces) return false;
+        if (seen[u]) return false;
+        seen[u] = true;
+        // This piece's blocks start where the previous piece's end.
+        int first = n_first, last = n_last;
+        flash::piece_key_blocks(t.piece, t.pieces, first, last);
+        int prev_end = n_first;
+        if (t.piece > 0) {
+            int pf = n_first, pl = n_last;
+            flash::piece_key_blocks(t.piece - 1, t.pieces, pf, pl);
+            prev_end = pl;
+        }
+        if (first != prev_end || last < first || last > n_last) return false;
+        if (t.piece == t.pieces - 1 && last != n_last) return false;
+    }
+    return true;
+}
+
+static_assert(check_pieces(1, 4, 8, 132, 0, 64, 4), "decode, 8 x 4 KV heads, 8k keys: 4 pieces");
+static_assert(check_pieces(1, 8, 1, 132, 0, 64, 16), "8 tiles: at most kMaxPieces");
+static_assert(check_pieces(1, 8, 1, 132, 0, 10, 2), "10 key blocks: pieces of at least 4");
+static_assert(check_pieces(1, 8, 1, 132, 3, 10, 2), "a tile's own range [3, 10)");
+static_assert(check_pieces(1, 8, 1, 132, 0, 7, 1), "7 key blocks: not split");
+static_assert(check_pieces(2, 11, 3, 132, 0, 33, 1), "66 tiles: not split");
+static_assert(check_pieces(3, 11, 1, 132, 0, 33, 4), "33 tiles: four pieces");
+static_assert(check_pieces(1, 34, 1, 132, 0, 64, 1), "34 tiles: not split");
+static_assert(check_pieces(1, 1, 1, 132, 0, 1000, 16), "one tile, long keys");
 
 }  // namespace
