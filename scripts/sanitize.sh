@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck over small forward + backward cases (causal, causal
-# over several key blocks, no mask with an even and with an odd number of query tiles per head,
+# over several key blocks, decode with each tile's keys split over several CTAs, no mask with
+# an even and with an odd number of query tiles per head,
 # no mask with its keys split over several CTAs, and varlen with an empty sequence) on the
 # kernels of the current build. Run from the repo root on a GPU machine after building (e.g.
 # `bash scripts/gpu_check.sh build`). Exit status is non-zero if either tool reports an error.
@@ -29,6 +30,11 @@ run(flash_attn_func, q, k, v, causal=True)
 # Causal over several key blocks: the consumer groups holding a tile's first rows skip the
 # key blocks right of those rows.
 q, k, v = (torch.randn(1, 300, h, d, device="cuda", dtype=dt) for _ in range(3))
+run(flash_attn_func, q, k, v, causal=True)
+# Decode against a long cache: few tiles, each tile's keys split over SMs and merged.
+q = torch.randn(b, 1, 2 * h, d, device="cuda", dtype=dt)
+k = torch.randn(b, 3000, hk, d, device="cuda", dtype=dt)
+v = torch.randn(b, 3000, hk, d, device="cuda", dtype=dt)
 run(flash_attn_func, q, k, v, causal=True)
 # No mask, an even number of query tiles: the SM90 cluster kernel (K/V multicast) above d = 64.
 # GQA packing off from here: it would take these shapes to the band kernel.
