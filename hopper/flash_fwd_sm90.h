@@ -254,8 +254,8 @@ int resident_clusters() {
     return clusters;
 }
 
-// Whether the static schedule may split its last round (SplitPlan); FLASH_ATTN_SPLIT=0 turns
-// it off (tests run both).
+// Whether tiles may be split by keys: the static schedule's last round (SplitPlan) and the
+// packed kernel's few tiles (kv_pieces); FLASH_ATTN_SPLIT=0 turns both off (tests run both).
 inline bool split_enabled() {
     const char* env = std::getenv("FLASH_ATTN_SPLIT");
     return env == nullptr || env[0] != '0';

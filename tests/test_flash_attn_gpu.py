@@ -286,11 +286,14 @@ def test_split_last_round(dtype: str, d: int, b: int, h: int, sq: int, sk: int, 
 # (dtype, d, batch, heads, heads_k, seqlen_q, seqlen_k, causal, window): grids of a few tiles
 # against many key blocks, so each tile's keys are split over SMs and the pieces merged: decode
 # with GQA packing, a short causal query block against a long prefix, a window, and key counts
-# that are not a multiple of the key block (the last piece shorter).
+# that are not a multiple of the key block (the last piece shorter). Without GQA (the d=256 and
+# the second d=128 shape) the packed kernel runs with one query head per KV head: the band
+# kernel's tiles would be too few (`run_fwd_sm90`'s few_tiles).
 KV_SPLIT_SHAPES = [
     ("bf16", 128, 2, 8, 2, 1, 4100, True, None),
     ("fp16", 64, 1, 16, 1, 3, 2500, True, None),
     ("bf16", 256, 1, 4, 4, 100, 3000, True, None),
+    ("bf16", 128, 1, 3, 3, 1, 4000, True, None),
     ("bf16", 128, 1, 4, 2, 150, 5000, False, (1000, 200)),
     ("bf16", 96, 3, 2, 1, 7, 9000, False, None),
 ]
@@ -325,10 +328,16 @@ def test_split_kv_dynamic(dtype: str, d: int, b: int, h: int, hk: int, sq: int, 
         assert torch.equal(flash_attn_func(q, k, v, **kw), out)
 
 
+@pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_split_kv_seqused_k(d: int):
-    """A KV cache filled to a different length per sequence (seqused_k), split into pieces:
-    pieces past a sequence's used keys see none, and the rows past it hold NaN."""
+def test_split_kv_seqused_k(d: int, split: str, monkeypatch):
+    """A KV cache filled to a different length per sequence (seqused_k), split into pieces
+    (default) and not (FLASH_ATTN_SPLIT=0): pieces past a sequence's used keys see none, and
+    the rows past it hold NaN."""
+    if split == "0":
+        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
+    else:
+        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
     torch.manual_seed(37)
     b, sq, sk, h, hk = 3, 2, 6000, 8, 2
     q = rand(b, sq, h, d, dtype=torch.bfloat16, requires_grad=False)
@@ -339,15 +348,16 @@ def test_split_kv_seqused_k(d: int):
         k[i, n:] = float("nan")
         v[i, n:] = float("nan")
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    out, _ = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, sq, sk, d ** -0.5, True,
-                                       -1, 0, 0.0)
+    out, lse = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, sq, sk, d ** -0.5, True,
+                                         -1, 0, 0.0)
     for i, n in enumerate(used):
         kv = dict(causal=True)
-        ref, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
-                               compute_dtype=REF_DTYPE, **kv)
+        ref, lse_ref = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
+                                     compute_dtype=REF_DTYPE, **kv)
         pt, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
                               compute_dtype=q.dtype, **kv)
         assert_accuracy(f"out[{i}]", out[i:i + 1], ref, pt, 2)
+        assert_lse(f"softmax_lse[{i}]", lse[i:i + 1], lse_ref)
 
 
 # ---------------------------------------------------------------------------------------------
