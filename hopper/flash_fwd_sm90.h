@@ -195,6 +195,12 @@ int query_tiles(FwdParams const& p) {
     return (p.seqlen_q * p.pack_gqa + Traits::kBlockM - 1) / Traits::kBlockM;
 }
 
+// Key blocks of the longest key sequence (varlen: max_seqlen_k).
+template <class Traits>
+int key_blocks(FwdParams const& p) {
+    return (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+}
+
 // Whether the query tiles of all heads form whole clusters, as the static schedule needs.
 template <class Traits>
 bool whole_clusters(FwdParams const& p) {
@@ -278,14 +284,13 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;
     using D = typename Traits::D;
-    constexpr int kBlockN = Traits::kBlockN;
     using Epilogue = Sm90FwdEpilogue<Traits>;
     // With GQA packing a sequence has seqlen_q * pack_gqa rows per KV head.
     const int heads = p.nheads / p.pack_gqa;
     TileSchedulerParams sched = make_scheduler_params(
         query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads), nullptr);
     const int clusters = resident_clusters<Traits>();
-    const int key_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+    const int blocks = key_blocks<Traits>(p);
     // Workspace slots of split tiles (each with max_pieces partial outputs) and counters: the
     // dynamic scheduler's, then one per slot and consumer group.
     int64_t slots = 0;
@@ -293,7 +298,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     if constexpr (Traits::kBand) {
         const int tiles = Traits::Scheduler::num_units(sched);
         if (Traits::kSplitTiles && split_enabled()) {
-            sched.pieces = kv_pieces(tiles, clusters, key_blocks);
+            sched.pieces = kv_pieces(tiles, clusters, blocks);
         }
         if (sched.pieces > 1) {
             slots = tiles;
@@ -301,7 +306,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         }
         counters = 1;
     } else {
-        if (split_enabled()) sched.split = plan_split(Traits::Scheduler::num_units(sched), clusters, key_blocks);
+        if (split_enabled()) sched.split = plan_split(Traits::Scheduler::num_units(sched), clusters, blocks);
         slots = int64_t(sched.split.tail) * Traits::kClusterM;
     }
     const int units = Traits::Scheduler::num_units(sched);
@@ -379,7 +384,7 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const bool few_tiles =
         !plain && split_enabled() &&
         kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, resident_clusters<Packed>(),
-                  (p.seqlen_k + Band::kBlockN - 1) / Band::kBlockN) > 1;
+                  key_blocks<Band>(p)) > 1;
     const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
     if (pack > 0) {
         p.pack_gqa = pack;

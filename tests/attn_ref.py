@@ -239,6 +239,28 @@ def rand(*shape, dtype, requires_grad=True, device="cuda"):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
 
+def check_seqused_k(q: Tensor, k: Tensor, v: Tensor, used: Sequence[int], causal: bool,
+                    check_lse: bool) -> None:
+    """A KV cache filled to ``used[i]`` keys in sequence i (the internal op's seqused_k): the
+    rows past it are set to NaN in k and v (in place) and must not reach the output, which is
+    checked per sequence against the reference on its used keys (and the LSE if ``check_lse``).
+    q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_k, d)."""
+    for i, n in enumerate(used):
+        k[i, n:] = float("nan")
+        v[i, n:] = float("nan")
+    seqused = torch.tensor(list(used), dtype=torch.int32, device=q.device)
+    d = q.shape[-1]
+    out, lse = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, q.shape[1], k.shape[1],
+                                         d ** -0.5, causal, -1, 0 if causal else -1, 0.0)
+    for i, n in enumerate(used):
+        qi, ki, vi = q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n]
+        ref, lse_ref = attention_ref(qi, ki, vi, causal=causal, compute_dtype=REF_DTYPE)
+        pt, _ = attention_ref(qi, ki, vi, causal=causal, compute_dtype=q.dtype)
+        assert_accuracy(f"out[{i}]", out[i:i + 1], ref, pt, 2)
+        if check_lse:
+            assert_lse(f"softmax_lse[{i}]", lse[i:i + 1], lse_ref)
+
+
 def plain_qkv(q, k, v):
     return q, k, v
 

@@ -30,6 +30,7 @@ from attn_ref import (  # noqa: E402
     assert_lse,
     attention_ref,
     check_fwd_bwd,
+    check_seqused_k,
     compare_to_ref,
     plain_qkv,
     rand,
@@ -256,6 +257,25 @@ SPLIT_SHAPES = [
 ]
 
 
+def set_split(monkeypatch, split: str) -> None:
+    """FLASH_ATTN_SPLIT=0 for split "0"; unset (the default: split where it pays) for "1"."""
+    if split == "0":
+        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
+    else:
+        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+
+
+def check_out_lse(q, k, v, **kw):
+    """flash_attn_func's output and LSE against the reference; returns the output.
+    q: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_k, d)."""
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE, **kw)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **kw)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_lse("softmax_lse", lse, lse_ref)
+    return out
+
+
 @pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("dtype,d,b,h,sq,sk", SPLIT_SHAPES,
                          ids=[f"{s[0]}-d{s[1]}-b{s[2]}h{s[3]}-{s[4]}x{s[5]}" for s in SPLIT_SHAPES])
@@ -264,19 +284,12 @@ def test_split_last_round(dtype: str, d: int, b: int, h: int, sq: int, sk: int, 
     """Output and LSE with the static schedule's last round split by key blocks (default,
     FLASH_ATTN_SPLIT unset) and unsplit (=0); the pieces' partial outputs are merged by the
     last one to finish. The SM80 path ignores the variable."""
-    if split == "0":
-        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
-    else:
-        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    set_split(monkeypatch, split)
     torch.manual_seed(5)
     q = rand(b, sq, h, d, dtype=DTYPES[dtype], requires_grad=False)
     k = rand(b, sk, h, d, dtype=DTYPES[dtype], requires_grad=False)
     v = rand(b, sk, h, d, dtype=DTYPES[dtype], requires_grad=False)
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
-    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE)
-    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype)
-    assert_accuracy("out", out, out_ref, out_pt, 2)
-    assert_lse("softmax_lse", lse, lse_ref)
+    check_out_lse(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,20 +322,13 @@ def test_split_kv_dynamic(dtype: str, d: int, b: int, h: int, hk: int, sq: int, 
                           monkeypatch):
     """Output and LSE where the dynamic schedule splits each tile's keys into pieces (default)
     and where it does not (FLASH_ATTN_SPLIT=0). The SM80 path ignores the variable."""
-    if split == "0":
-        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
-    else:
-        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    set_split(monkeypatch, split)
     torch.manual_seed(31)
     q = rand(b, sq, h, d, dtype=DTYPES[dtype], requires_grad=False)
     k = rand(b, sk, hk, d, dtype=DTYPES[dtype], requires_grad=False)
     v = rand(b, sk, hk, d, dtype=DTYPES[dtype], requires_grad=False)
     kw = dict(causal=causal, window_size=window or (-1, -1))
-    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE, **kw)
-    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **kw)
-    assert_accuracy("out", out, out_ref, out_pt, 2)
-    assert_lse("softmax_lse", lse, lse_ref)
+    out = check_out_lse(q, k, v, **kw)
     # The merge sums the pieces in a fixed order, whichever finished last.
     for _ in range(3):
         assert torch.equal(flash_attn_func(q, k, v, **kw), out)
@@ -334,30 +340,13 @@ def test_split_kv_seqused_k(d: int, split: str, monkeypatch):
     """A KV cache filled to a different length per sequence (seqused_k), split into pieces
     (default) and not (FLASH_ATTN_SPLIT=0): pieces past a sequence's used keys see none, and
     the rows past it hold NaN."""
-    if split == "0":
-        monkeypatch.setenv("FLASH_ATTN_SPLIT", "0")
-    else:
-        monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    set_split(monkeypatch, split)
     torch.manual_seed(37)
     b, sq, sk, h, hk = 3, 2, 6000, 8, 2
     q = rand(b, sq, h, d, dtype=torch.bfloat16, requires_grad=False)
     k = rand(b, sk, hk, d, dtype=torch.bfloat16, requires_grad=False)
     v = rand(b, sk, hk, d, dtype=torch.bfloat16, requires_grad=False)
-    used = [6000, 700, 2049]
-    for i, n in enumerate(used):
-        k[i, n:] = float("nan")
-        v[i, n:] = float("nan")
-    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    out, lse = torch.ops.flash_attn._fwd(q, k, v, None, None, seqused, sq, sk, d ** -0.5, True,
-                                         -1, 0, 0.0)
-    for i, n in enumerate(used):
-        kv = dict(causal=True)
-        ref, lse_ref = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
-                                     compute_dtype=REF_DTYPE, **kv)
-        pt, _ = attention_ref(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n],
-                              compute_dtype=q.dtype, **kv)
-        assert_accuracy(f"out[{i}]", out[i:i + 1], ref, pt, 2)
-        assert_lse(f"softmax_lse[{i}]", lse[i:i + 1], lse_ref)
+    check_seqused_k(q, k, v, [6000, 700, 2049], causal=True, check_lse=True)
 
 
 # ---------------------------------------------------------------------------------------------
