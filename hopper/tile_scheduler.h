@@ -121,7 +121,7 @@ struct TileSchedulerParams {
 // Dynamic schedule: pieces per tile where `tiles` leave at least three quarters of `clusters`
 // idle. Decode at d=128 (benchmark_decode.py, NOTES SM90 item 72): 32 tiles in 4 pieces ran
 // 1.20-1.88x as fast as unsplit; 64 tiles in 2 pieces 0.95-0.99x at 10 of 12 shapes (64 SMs
-// already read K/V at 2.0-2.8 TB/s). Each piece keeps at least kMinPieceBlocks key blocks (its
+// already read K/V at 1.9-2.8 TB/s). Each piece keeps at least kMinPieceBlocks key blocks (its
 // fill, drain and partial output cost about a tile's fixed cost), and at most kMaxPieces
 // pieces are merged.
 constexpr int kMinPieceBlocks = 4;
