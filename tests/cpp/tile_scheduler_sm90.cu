@@ -124,7 +124,6 @@ constexpr bool check_pieces(int m_blocks, int nheads, int batch, int clusters, i
     const flash::DynamicTileScheduler<true> sched{p};
     const int units = flash::DynamicTileScheduler<true>::num_units(p);
     if (units != tiles * p.pieces || units > kMaxTiles) return false;
-    bool seen[kMaxTiles] = {};
     for (int u = 0; u < units; ++u) {
         const flash::Tile t = sched.tile(u);
         const flash::Tile whole = sched.whole_tile(u / p.pieces);
@@ -134,8 +133,6 @@ constexpr bool check_pieces(int m_blocks, int nheads, int batch, int clusters, i
             continue;
         }
         if (t.split != u / p.pieces || t.pieces != p.pieces || t.piece != u % p.pieces) return false;
-        if (seen[u]) return false;
-        seen[u] = true;
         // This piece's blocks start where the previous piece's end.
         int first = n_first, last = n_last;
         flash::piece_key_blocks(t.piece, t.pieces, first, last);
