@@ -22,6 +22,8 @@
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <cstdint>
 #include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -101,6 +103,29 @@ __host__ __device__ constexpr SplitPlan plan_split(int units, int clusters, int 
     return s;
 }
 
+// Division by a divisor fixed at launch: a multiply-high, an add and a shift (the round-up
+// method of Granlund and Montgomery, exact for every dividend in [0, 2^31)), where `/` by a
+// run-time int is a sequence of ~25 instructions. The dynamic schedule's decode took four of
+// them, ~120 instructions in each of the twelve consumer warps at every tile (NOTES SM90 item 74).
+struct FastDivider {
+    uint32_t mul = 1;  // the divisor 1: (n * 1 >> 32) + n = n
+    int shift = 0;
+
+    FastDivider() = default;
+    __host__ __device__ constexpr explicit FastDivider(int divisor) {
+        while ((int64_t(1) << shift) < divisor) ++shift;
+        mul = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - uint64_t(divisor)) /
+                           uint64_t(divisor) +
+                       1);
+    }
+
+    // n / divisor for 0 <= n < 2^31.
+    __host__ __device__ constexpr int div(int n) const {
+        const uint64_t high = (uint64_t(mul) * uint32_t(n)) >> 32;
+        return int((high + uint32_t(n)) >> shift);
+    }
+};
+
 struct TileSchedulerParams {
     int num_m_blocks;  // static: num_m_blocks * nheads * batch is a multiple of the cluster
                        // size (run_fwd_sm90 checks it)
@@ -116,6 +141,10 @@ struct TileSchedulerParams {
     // pieces) of split tiles.
     SplitPlan split;
     int pieces = 1;  // dynamic only: units per tile, each a share of its key blocks
+    // The decode's divisors (make_scheduler_params sets them): nheads, num_m_blocks, and the
+    // narrow and wide sections' heads and units.
+    FastDivider by_nheads, by_m_blocks;
+    FastDivider by_narrow_heads, by_wide_heads, by_narrow_units, by_wide_units;
 };
 
 // Dynamic schedule: pieces per tile where `tiles` leave at least three quarters of `clusters`
@@ -150,9 +179,21 @@ __host__ __device__ constexpr void piece_key_blocks(int piece, int pieces, int& 
 __host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_m_blocks, int nheads, int batch,
                                                  int max_heads, int* counter) {
     const int heads = nheads * batch;
-    const int sections = (heads + max_heads - 1) / max_heads;
-    return {num_m_blocks, nheads, batch, sections, heads / sections, heads % sections, counter,
-            SplitPlan{}};
+    TileSchedulerParams p{};
+    p.num_m_blocks = num_m_blocks;
+    p.nheads = nheads;
+    p.batch = batch;
+    p.sections = (heads + max_heads - 1) / max_heads;
+    p.section_heads = heads / p.sections;
+    p.wide_sections = heads % p.sections;
+    p.counter = counter;
+    p.by_nheads = FastDivider(nheads);
+    p.by_m_blocks = FastDivider(num_m_blocks);
+    p.by_narrow_heads = FastDivider(p.section_heads);
+    p.by_wide_heads = FastDivider(p.section_heads + 1);
+    p.by_narrow_units = FastDivider(p.section_heads * num_m_blocks);
+    p.by_wide_units = FastDivider((p.section_heads + 1) * num_m_blocks);
+    return p;
 }
 
 // A key-block bound past any tile's last block: a unit that is not a piece sees all its keys.
@@ -217,8 +258,9 @@ struct StaticTileScheduler {
         const int m_blocks = params.num_m_blocks;
         const int first = unit * kClusterM;
         const int i = first + rank;
-        const int hb = i / m_blocks;
-        Tile t{m_blocks - 1 - (i - hb * m_blocks), hb % params.nheads, hb / params.nheads};
+        const int hb = params.by_m_blocks.div(i);
+        const int bidb = params.by_nheads.div(hb);
+        Tile t{m_blocks - 1 - (i - hb * m_blocks), hb - bidb * params.nheads, bidb};
         t.shared_kv = first / m_blocks == (first + kClusterM - 1) / m_blocks;
         return t;
     }
@@ -260,14 +302,17 @@ struct DynamicTileScheduler {
         const bool wide = unit >= narrow_units;
         const int section_heads = params.section_heads + (wide ? 1 : 0);
         const int per_section = section_heads * params.num_m_blocks;
+        const FastDivider by_heads = wide ? params.by_wide_heads : params.by_narrow_heads;
+        const FastDivider by_units = wide ? params.by_wide_units : params.by_narrow_units;
         const int local = wide ? unit - narrow_units : unit;
-        const int section = local / per_section;
+        const int section = by_units.div(local);
         const int in_section = local - section * per_section;
+        const int row = by_heads.div(in_section);  // query tiles from the bottom
         const int first_head =
             (wide ? narrow * params.section_heads : 0) + section * section_heads;
-        const int bh = first_head + in_section % section_heads;
-        return {params.num_m_blocks - 1 - in_section / section_heads, bh % params.nheads,
-                bh / params.nheads};
+        const int bh = first_head + in_section - row * section_heads;
+        const int bidb = params.by_nheads.div(bh);
+        return {params.num_m_blocks - 1 - row, bh - bidb * params.nheads, bidb};
     }
 };
 

@@ -8,9 +8,41 @@
 //    only where it shortens the last round by at least kSplitMinSaving key blocks.
 //  - Dynamic with split tiles (kv_pieces, decode): each (tile, piece) comes out once, a tile's
 //    pieces are neighbouring units, and the pieces' key blocks cover the tile's exactly, in order.
+//  - FastDivider, the decode's division, agrees with `/` around the multiples of every divisor up
+//    to 400, at the dividends' upper end, and for large divisors.
+#include <climits>
+#include <cstdint>
+
 #include "tile_scheduler.h"
 
 namespace {
+
+constexpr bool check_divider(int d) {
+    const flash::FastDivider f(d);
+    for (int64_t k = 0; k < 40; ++k) {
+        for (int64_t n = k * d - 1; n <= k * d + 1; ++n) {
+            if (n >= 0 && n <= INT_MAX && f.div(int(n)) != int(n) / d) return false;
+        }
+    }
+    const int top[] = {INT_MAX, INT_MAX - 1, INT_MAX - d + 1, INT_MAX / d * d, INT_MAX / d * d - 1};
+    for (int n : top) {
+        if (f.div(n) != n / d) return false;
+    }
+    return true;
+}
+
+constexpr bool check_dividers() {
+    for (int d = 1; d <= 400; ++d) {
+        if (!check_divider(d)) return false;
+    }
+    const int large[] = {1 << 20, (1 << 20) + 1, 1000003, (1 << 30) + 1, INT_MAX - 1, INT_MAX};
+    for (int d : large) {
+        if (!check_divider(d)) return false;
+    }
+    return true;
+}
+
+static_assert(check_dividers(), "FastDivider differs from /");
 
 constexpr int kMaxTiles = 512;
 
