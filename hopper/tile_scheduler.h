@@ -112,7 +112,10 @@ struct FastDivider {
     int shift = 0;
 
     FastDivider() = default;
+    // Divisors below 1 (never passed: the binding returns before launching empty problems)
+    // give the divisor 1's identity rather than a host division by zero.
     __host__ __device__ constexpr explicit FastDivider(int divisor) {
+        if (divisor <= 1) return;
         while ((int64_t(1) << shift) < divisor) ++shift;
         mul = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - uint64_t(divisor)) /
                            uint64_t(divisor) +
