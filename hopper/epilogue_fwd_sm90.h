@@ -51,6 +51,14 @@ struct Sm90FwdEpilogue {
     using BM = typename Traits::BM;
     using D = typename Traits::D;
 
+    // This consumer thread's tile coordinates (row, col) of its output, as a (rows, cols) view
+    // in the order of acc_o's.
+    static __device__ auto output_coords(int ctid) {
+        typename Traits::MmaPV mma_pv;
+        Tensor cO = mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<BM, D>{}));
+        return make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+    }
+
     // The K or V stage this group kept for its O slice (the one before the state's; a release
     // reads the index only), once the other groups' last GEMMs have read it.
     static __device__ typename Traits::PipeState held_stage(
@@ -111,13 +119,8 @@ struct Sm90FwdEpilogue {
         const int group = consumer_group();
         const int rank = Traits::kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
         const index_t slot = index_t(t.split) * Traits::kClusterM + rank;
-        typename Traits::MmaPV mma_pv;
-        Tensor cO = mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<BM, D>{}));
-        Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
-        auto in_sequence = [&](int r) {
-            const int row = get<0>(cO_rc(r, 0));
-            return row < g.rows && row >= g.row_begin;
-        };
+        Tensor cO_rc = output_coords(ctid);
+        auto in_sequence = [&](int r) { return g.holds_row(get<0>(cO_rc(r, 0))); };
         auto o_of = [&](int piece, int r, int j) {
             return reinterpret_cast<float4*>(s.o) +
                    ((slot * s.max_pieces + piece) * kRows * kQuads + r * kQuads + j) * kThreads +
@@ -231,15 +234,13 @@ struct Sm90FwdEpilogue {
             k_pipe.consumer_release(last);
         }
 
-        typename Traits::MmaPV mma_pv;
-        Tensor cO = mma_pv.get_thread_slice(ctid).partition_C(make_identity_tensor(Shape<BM, D>{}));
-        Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+        Tensor cO_rc = output_coords(ctid);
         float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + g.row0;
         if (ctid % 4 == 0) {
             CUTE_UNROLL
             for (int r = 0; r < kRows; ++r) {
                 const int row = get<0>(cO_rc(r, 0));
-                if (row < g.rows) lse_ptr[row] = lse[r];
+                if (g.holds_row(row)) lse_ptr[row] = lse[r];
             }
         }
     }
@@ -251,10 +252,7 @@ struct Sm90FwdEpilogue {
                                  Sm90TileGeometry const& g, AccO const& acc_o,
                                  float const (&lse)[kRows]) {
         const int ctid = int(threadIdx.x) - 128;
-        typename Traits::MmaPV mma_pv;
-        auto thr_pv = mma_pv.get_thread_slice(ctid);
-        Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<BM, D>{}));
-        Tensor cO_rc = make_tensor(cO.data(), wgmma_acc_as_rows_cols(cO.layout()));
+        Tensor cO_rc = output_coords(ctid);
         Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
         static_assert(decltype(size<1>(o_rc))::value % 2 == 0);
         static_assert(decltype(size<0>(o_rc))::value == kRows);
@@ -287,7 +285,7 @@ struct Sm90FwdEpilogue {
             CUTE_UNROLL
             for (int m = 0; m < kGroups / 4; ++m) quad_transpose(pairs + 4 * m, quad_lane);
             const int row = get<0>(base) + get<0>(offsets(r, 0));
-            if (row >= g.rows || row < g.row_begin) continue;
+            if (!g.holds_row(row)) continue;
             T* row_ptr = o_ptr + index_t(row) * p.o_stride.row;
             float* row_lse = lse_ptr + row;
             if constexpr (Traits::kPackGQA) {

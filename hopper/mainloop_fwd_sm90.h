@@ -30,6 +30,8 @@ struct Sm90TileGeometry {
     int n_first, n_last;  // key blocks [n_first, n_last) the tile's rows can see
 
     __device__ bool has_rows() const { return rows > row_begin; }
+    // Whether the tile's row r lies inside the sequence.
+    __device__ bool holds_row(int r) const { return r >= row_begin && r < rows; }
     __device__ bool has_keys() const { return n_last > n_first; }
     // Whether the tile's rows [64 g, 64 g + 64) all lie outside the sequence.
     __device__ bool group_outside(int group) const {
