@@ -1,14 +1,16 @@
 // Epilogue of the SM90 forward. O arrives normalised, fp32 in registers; the LSE is written from
-// registers. Two ways out for O:
+// registers. Three ways out for O:
 //  - store_staged (batched tiles, d >= 128): each consumer group converts its 64 x d slice,
 //    writes it with stmatrix into the tile's last K or V stage (the mainloop kept that stage)
 //    and one thread issues a TMA store; the stage goes back to the producer once the TMA has
 //    read it. The group's own stores then take a few instructions, and the writes to HBM drain
 //    while the next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
-//  - store (varlen, packed GQA, d <= 64, tiles without keys): regrouped within each quad of
+//  - store_buffered (batched, unpacked tiles, d <= 64): the same through a buffer of its own,
+//    so a group does not wait for the TMA's read until its next tile's store.
+//  - store (varlen, packed GQA, d = 96, tiles without keys from d = 128): regrouped within each quad of
 //    lanes so that a lane holds 8 neighbouring columns, written with 16-byte stores predicated
 //    on the sequence's rows, so varlen tiles never touch a neighbouring sequence.
-// Neither uses the Q buffer, so the next tile's Q loads while this one finishes.
+// None uses the Q buffer, so the next tile's Q loads while this one finishes.
 #pragma once
 
 #include <cutlass/array.h>
@@ -186,6 +188,56 @@ struct Sm90FwdEpilogue {
         return true;
     }
 
+    // Whether tiles leave through the dedicated O buffer (store_buffered): batched, unpacked
+    // tiles, d <= 64. A TMA box of varlen rows would cross into the neighbouring sequences.
+    static __device__ bool buffered_output(FwdParams const& p) {
+        return Traits::kBufferedOutput && (!Traits::kBand || !p.is_varlen());
+    }
+
+    // This group's 64 x d slice of O: converted, written to `slice` with stmatrix, then one
+    // thread issues its TMA store to the tile's rows [row0 + 64 group, +64) and commits it.
+    // The TMA clips rows outside [0, seqlen_q) and columns past the head dim.
+    template <class AccO>
+    static __device__ void stage_slice(Sm90FwdArgs<Traits> const& a, T* slice, int bidb,
+                                       int bidh, Sm90TileGeometry const& g, AccO const& acc_o) {
+        FwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - 128;
+        const int group = consumer_group();
+        Tensor rO = convert_fragment<T>(acc_o);
+        Tensor sO = make_tensor(make_smem_ptr(slice), typename Traits::SmemLayoutOSlice{});
+        typename Traits::StoreOSlice store;
+        auto thr = store.get_thread_slice(ctid % 128);
+        copy(store, thr.retile_S(rO), thr.partition_D(sO));
+        cutlass::arch::fence_view_async_shared();  // stmatrix writes, then the TMA reads
+        barrier_sync(epilogue_barrier(group), 128);
+        if (ctid % 128 == 0) {
+            using Mainloop = Sm90FwdMainloop<Traits>;
+            Tensor gO = local_tile(Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
+                                                       a.batch_q, bidh, bidb, g.row0 + 64 * group),
+                                   Shape<_64, D>{}, make_coord(_0{}, _0{}));
+            auto to = tma_partition(a.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                    group_modes<0, 2>(gO));
+            copy(a.tma_o, get<1>(to), get<0>(to));
+            tma_store_arrive();
+        }
+    }
+
+    // The LSE of this thread's rows inside the sequence (one lane per quad writes a row's).
+    template <int kRows>
+    static __device__ void store_lse(FwdParams const& p, SeqInfo const& seq, int bidb, int bidh,
+                                     Sm90TileGeometry const& g, float const (&lse)[kRows]) {
+        const int ctid = int(threadIdx.x) - 128;
+        Tensor cO_rc = output_coords(ctid);
+        float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + g.row0;
+        if (ctid % 4 == 0) {
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+                const int row = get<0>(cO_rc(r, 0));
+                if (g.holds_row(row)) lse_ptr[row] = lse[r];
+            }
+        }
+    }
+
     // Run by every consumer thread after a tile with keys when Mainloop::staged_output holds;
     // k_state / v_state are past the tile's last stages. `phase`: parity of the tile's
     // keys_read / values_read completion.
@@ -199,50 +251,51 @@ struct Sm90FwdEpilogue {
                                         SeqInfo const& seq, int bidb, int bidh,
                                         Sm90TileGeometry const& g,
                                         AccO const& acc_o, float const (&lse)[kRows]) {
-        FwdParams const& p = a.p;
         const int ctid = int(threadIdx.x) - 128;
         const int group = consumer_group();
         const bool in_values = Traits::slice_in_values(group);
-        using Mainloop = Sm90FwdMainloop<Traits>;
         const typename Traits::PipeState last = held_stage(ss, k_state, v_state, phase);
         constexpr int kStageElems = Traits::kBlockN * D::value;
         constexpr int kSliceElems = 64 * D::value;
         T* slice = (in_values ? ss.v.data() : ss.k.data()) + last.index() * kStageElems +
                    (in_values ? group - Traits::kSlicesPerStage : group) * kSliceElems;
-
-        Tensor rO = convert_fragment<T>(acc_o);
-        Tensor sO = make_tensor(make_smem_ptr(slice), typename Traits::SmemLayoutOSlice{});
-        typename Traits::StoreOSlice store;
-        auto thr = store.get_thread_slice(ctid % 128);
-        copy(store, thr.retile_S(rO), thr.partition_D(sO));
-        cutlass::arch::fence_view_async_shared();  // stmatrix writes, then the TMA reads
-        barrier_sync(epilogue_barrier(group), 128);
-        if (ctid % 128 == 0) {
-            Tensor gO = local_tile(Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
-                                                       a.batch_q, bidh, bidb, 0),
-                                   Shape<_64, D>{}, make_coord(g.row0 / 64 + group, _0{}));
-            auto to = tma_partition(a.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
-                                    group_modes<0, 2>(gO));
-            copy(a.tma_o, get<1>(to), get<0>(to));
-            tma_store_arrive();
-            tma_store_wait<0>();  // the slice has been read
-        }
+        stage_slice(a, slice, bidb, bidh, g, acc_o);
+        if (ctid % 128 == 0) tma_store_wait<0>();  // the slice has been read
         barrier_sync(epilogue_barrier(group), 128);
         if (in_values) {
             v_pipe.consumer_release(last);
         } else {
             k_pipe.consumer_release(last);
         }
+        store_lse(a.p, seq, bidb, bidh, g, lse);
+    }
 
-        Tensor cO_rc = output_coords(ctid);
-        float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh) + g.row0;
-        if (ctid % 4 == 0) {
-            CUTE_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-                const int row = get<0>(cO_rc(r, 0));
-                if (g.holds_row(row)) lse_ptr[row] = lse[r];
-            }
+    // Run by every consumer thread when buffered_output holds. The group first waits for the
+    // TMA to have read its previous slice from the buffer, then stages this one and leaves.
+    template <class AccO, int kRows>
+    static __device__ void store_buffered(Sm90FwdArgs<Traits> const& a,
+                                          typename Traits::SharedStorage& ss,
+                                          SeqInfo const& seq, int bidb, int bidh,
+                                          Sm90TileGeometry const& g, AccO const& acc_o,
+                                          float const (&lse)[kRows]) {
+        const int group = consumer_group();
+        if (g.group_outside(group)) return;  // nothing of the slice is stored
+        if (Traits::kEndAligned && g.row0 + 64 * group < 0) {
+            // A TMA store from a negative row faults (an illegal instruction) where a load
+            // zero-fills: the top tile's slice across the sequence's start goes from registers.
+            store(a.p, seq, bidb, bidh, g, acc_o, lse);
+            return;
         }
+        if (int(threadIdx.x) % 128 == 0) tma_store_wait<0>();
+        barrier_sync(epilogue_barrier(group), 128);
+        T* slice = ss.o.data() + group * cosize_v<typename Traits::SmemLayoutOSlice>;
+        stage_slice(a, slice, bidb, bidh, g, acc_o);
+        store_lse(a.p, seq, bidb, bidh, g, lse);
+    }
+
+    // After the last tile: the buffer must outlive the TMA's reads of it.
+    static __device__ void drain_buffered(FwdParams const& p) {
+        if (buffered_output(p) && int(threadIdx.x) % 128 == 0) tma_store_wait<0>();
     }
 
     // Run by every consumer thread; `acc_o` and `lse` are this thread's rows. With GQA packing

@@ -162,11 +162,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                     Epilogue::release_staged(ss, k_pipe, v_pipe, k_state, v_state, out_phase);
                 }
                 out_phase ^= 1;
+            } else if (stores && Epilogue::buffered_output(a.p)) {
+                Epilogue::store_buffered(a, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
             } else if (stores) {
                 Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
             }
             unit = ss.tiles.pop(taken++);
         }
+        Epilogue::drain_buffered(a.p);
     }
 }
 

@@ -112,11 +112,18 @@ struct Sm90FwdTraits {
     // the K or V stage its tile read last: no shared memory is free for a buffer of its own at
     // d >= 128. Slices go into K's stage while they fit, the rest into V's.
     static constexpr bool kStagedOutput = kHeadDim >= 128 && !kPackGQA;
+    // Below d = 128 a buffer of its own fits (24 KiB beside d=64's 152): each group stages its
+    // slice there and leaves without waiting for the TMA, which reads it while the next tile
+    // runs; the group waits for that read only before its next store. Packed tiles scatter
+    // their rows over heads and write from registers.
+    static constexpr bool kBufferedOutput = kHeadDim <= 64 && !kPackGQA;
     // Band tiles end at the sequence's last row, so that a partial tile (a sequence length not
     // a multiple of block_m) is the top one, which under a causal mask sees the fewest keys:
     // at d=64, causal 1024, 27 instead of 32 tile-blocks per head (NOTES SM90 item 47). Not
-    // where O is staged (its TMA store takes whole 64-row slices) or packed (the row mapping
-    // divides rows by the group size).
+    // where O is staged (its stages are released per 64-row slice of whole tiles) or packed
+    // (the row mapping divides rows by the group size). Such a top tile's slice across the
+    // sequence's first row would start a TMA store at a negative row (a fault, where a load
+    // zero-fills): store_buffered writes that one from registers.
     static constexpr bool kEndAligned = kBand && !kPackGQA && !kStagedOutput;
     static constexpr int kSlicesPerStage = kBlockN / 64;
     static_assert(2 * kSlicesPerStage >= kConsumerWarpGroups, "O slices do not fit a K + V stage");
@@ -149,6 +156,9 @@ struct Sm90FwdTraits {
         // then overwrite the last K (V) stage.
         cutlass::arch::ClusterBarrier keys_read;
         cutlass::arch::ClusterBarrier values_read;
+        // The consumer groups' O slices (kBufferedOutput), one SmemLayoutOSlice each.
+        alignas(1024) cute::array_aligned<
+            T, kBufferedOutput ? kConsumerWarpGroups * cosize_v<SmemLayoutOSlice> : 1> o;
         TileQueue tiles;
         // Each consumer thread's rounding terms of the lazy softmax (OnlineSoftmax::
         // update_scores_lazy), two rows each: shared memory, not registers (see there).
