@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs<Traits> a) {
     using Mainloop = Sm90FwdMainloop<Traits>;
     using Epilogue = Sm90FwdEpilogue<Traits>;
+    using QPipe = typename Traits::QPipe;
     using KPipe = typename Traits::KPipe;
     using VPipe = typename Traits::VPipe;
     using PipeRole = typename KPipe::ThreadCategory;
@@ -38,11 +39,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool is_producer = int(threadIdx.x / 128) == int(WarpGroupRole::kProducer);
 
     if (threadIdx.x == 0) {
-        ss.q_full.init(1);
         ss.tiles.init(Traits::kConsumerThreads / 32);
         ss.keys_read.init(Traits::kConsumerThreads / 32);
         ss.values_read.init(Traits::kConsumerThreads / 32);
     }
+    typename QPipe::Params q_params;
+    q_params.role = is_producer ? QPipe::ThreadCategory::Producer : QPipe::ThreadCategory::Consumer;
+    q_params.is_leader = threadIdx.x == 0;
+    // Packed tiles: the consumers gather Q, the producer's acquire hands them the free buffer.
+    q_params.transaction_bytes = Traits::kPackGQA ? 0 : Traits::kQBytes;
     typename KPipe::Params k_params;
     k_params.role = is_producer ? PipeRole::Producer : PipeRole::Consumer;
     k_params.is_leader = threadIdx.x == 0;
@@ -51,6 +56,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     v_params.role = k_params.role;
     v_params.is_leader = k_params.is_leader;
     v_params.transaction_bytes = Traits::kKVBytes;
+    QPipe q_pipe(ss.q_pipe, q_params, Traits::kConsumerThreads / 32);
     KPipe k_pipe(ss.k_pipe, k_params, Traits::kConsumerThreads / 32);
     VPipe v_pipe(ss.v_pipe, v_params, Traits::kConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
@@ -66,6 +72,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (is_producer) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
         if (threadIdx.x / 32 != 0) return;  // one warp issues every load
+        auto q_state = cutlass::make_producer_start_state<QPipe>();
         auto k_state = cutlass::make_producer_start_state<KPipe>();
         auto v_state = cutlass::make_producer_start_state<VPipe>();
         // Units whose tile has no query rows (past a varlen sequence's end) never reach the
@@ -83,14 +90,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             return u;
         };
-        // Each Q load but the first waits for the consumers' release of the previous one (they
-        // arrive once per tile with keys, after its last S GEMM); one more wait at the end
-        // matches the last release.
-        bool query_held = false;
-        auto wait_query_empty = [&] {
-            if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
-            query_held = true;
-        };
         // Hands unit u to the consumers, or kDone past the schedule's end; returns what it handed.
         int handed = 0;
         auto hand_out = [&](int u) {
@@ -104,13 +103,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const SeqInfo seq(a.p, t.bidb);
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t);
             if (g.has_keys()) {
-                Mainloop::load(a, ss, k_pipe, v_pipe, k_state, v_state, seq, t.bidb, t.bidh,
-                               t.m_block, t.shared_kv, g, wait_query_empty);
+                Mainloop::load(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
+                               t.bidb, t.bidh, t.m_block, t.shared_kv, g);
             }
             unit = hand_out(next_with_rows(unit, true));
         }
-        if (query_held) barrier_sync(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
+        q_pipe.producer_tail(q_state);
         k_pipe.producer_tail(k_state);
         v_pipe.producer_tail(v_state);
     } else {
@@ -118,8 +117,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (Traits::kPingPong) {
             ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
         }
+        typename Traits::QState q_state;
         typename Traits::PipeState k_state, v_state;
-        int q_phase = 0;
         int out_phase = 0;  // parity of keys_read / values_read, one phase per staged tile
         typename Traits::MmaPV mma_pv;
         int taken = 0;
@@ -137,12 +136,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             // Idle groups (rows all outside the sequence) run the loop without GEMMs; the constant
             // below is false where that is off, so no second copy of the loop is compiled.
             if (g.has_keys() && Traits::kSkipIdleGroups && g.group_outside(consumer_group())) {
-                Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
-                                  t.bidh, g, acc_o, lse,
+                Mainloop::compute(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
+                                  t.bidb, t.bidh, g, acc_o, lse,
                                   cute::bool_constant<Traits::kSkipIdleGroups>{});
             } else if (g.has_keys()) {
-                Mainloop::compute(a, ss, k_pipe, v_pipe, k_state, v_state, q_phase, seq, t.bidb,
-                                  t.bidh, g, acc_o, lse, cute::false_type{});
+                Mainloop::compute(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
+                                  t.bidb, t.bidh, g, acc_o, lse, cute::false_type{});
             } else {
                 // No key is visible: the rows attend to nothing.
                 clear(acc_o);

@@ -53,8 +53,6 @@ struct Sm90FwdTraits {
     static constexpr bool kSkipIdleGroups = kTile.consumer_warpgroups == 3;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
-    // NamedBarrier::kQueryEmpty: the consumers release Q to the producer warp.
-    static constexpr int kQueryEmptyThreads = kConsumerThreads + 32;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
@@ -138,6 +136,14 @@ struct Sm90FwdTraits {
     using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemTensor>(),
                                         SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}));
 
+    // Q buffers. Two at d <= 64, where tiles are a few key blocks long: the next tile's Q loads
+    // while this one runs instead of after its last S GEMM, so no group waits for it at the
+    // tile boundary. Packed tiles gather Q in the consumers: one buffer (the producer's
+    // acquire only hands it over, with no bytes to count).
+    static constexpr int kQStages = kHeadDim <= 64 && !kPackGQA ? 2 : 1;
+    using QPipe = QPipeline<kQStages>;
+    using QState = cutlass::PipelineState<kQStages>;
+    static constexpr int kQElems = cosize_v<SmemLayoutQ>;
     using KPipe = KPipeline<kStages, kClusterM>;
     using VPipe = VPipeline<kStages, kClusterM>;
     using PipeState = cutlass::PipelineState<kStages>;
@@ -146,12 +152,12 @@ struct Sm90FwdTraits {
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);
 
     struct SharedStorage {
-        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<T, kQStages * kQElems> q;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> v;
+        typename QPipe::SharedStorage q_pipe;
         typename KPipe::SharedStorage k_pipe;
         typename VPipe::SharedStorage v_pipe;
-        cutlass::arch::ClusterTransactionBarrier q_full;
         // Every consumer warp arrives once its tile's last S (PV) GEMM is done: a slice may
         // then overwrite the last K (V) stage.
         cutlass::arch::ClusterBarrier keys_read;

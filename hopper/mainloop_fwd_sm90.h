@@ -88,23 +88,23 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- producer ----
 
-    // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies.
-    // `wait_query_empty` is called once, before Q is written, so the previous tile's consumers
-    // are done with the Q buffer; K's first block is issued before that wait. `shared_kv`: the
+    // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies. Q's
+    // buffer is acquired after K's first block is issued (its release is the tile's last S
+    // GEMM two tiles back with two buffers, the previous tile's with one). `shared_kv`: the
     // cluster's CTAs all run tiles of this head (Tile::shared_kv).
-    template <class WaitQueryEmpty>
-    static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::KPipe& k_pipe,
-                                typename Traits::VPipe& v_pipe, PipeState& k_state,
+    static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::QPipe& q_pipe,
+                                typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
+                                typename Traits::QState& q_state, PipeState& k_state,
                                 PipeState& v_state, SeqInfo const& seq, int bidb, int bidh,
-                                int m_block, bool shared_kv, Sm90TileGeometry const& g,
-                                WaitQueryEmpty&& wait_query_empty) {
+                                int m_block, bool shared_kv, Sm90TileGeometry const& g) {
         FwdParams const& p = a.p;
         const bool issuer = threadIdx.x % 32 == 0;
         // Packed tiles are scheduled per KV head.
         const int bidh_k = Traits::kPackGQA ? bidh : bidh / (p.nheads / p.nheads_k);
         const bool varlen = p.is_varlen();
 
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data() + q_state.index() * Traits::kQElems),
+                                typename Traits::SmemLayoutQ{});
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
 
@@ -160,22 +160,12 @@ struct Sm90FwdMainloop {
         auto load_k = [&](int n) { load_block(k_pipe, k_state, a.tma_k, sK, gK, n); };
         auto load_v = [&](int n) { load_block(v_pipe, v_state, a.tma_v, sV, gV, n); };
 
-        // Q's load waits for the previous tile's consumers to release the buffer, and Q (read
-        // once per tile) comes from HBM: ~4500 cycles under load, part of which each tile
-        // boundary waits for. With four K/V stages (d <= 64) this runs a few blocks before that
-        // tile ends, and warming L2 with Q here gained +0.6..+1.9%; with two (d >= 128) it runs
-        // one or two blocks before and did not (-1.4..+2.0%, NOTES SM90 item 69).
-        if constexpr (Traits::kStages >= 4 && !Traits::kPackGQA) {
-            if (issuer) prefetch(a.tma_q, tQg);
-        }
         load_k(g.n_last - 1);
-        wait_query_empty();
-        if (issuer && Traits::kPackGQA) {
-            ss.q_full.arrive();  // the buffer is free: the consumers gather packed Q themselves
-        } else if (issuer) {
-            ss.q_full.arrive_and_expect_tx(Traits::kQBytes);
-            copy(a.tma_q.with(reinterpret_cast<uint64_t&>(ss.q_full)), tQg, tQs);
+        q_pipe.producer_acquire(q_state);
+        if (issuer && !Traits::kPackGQA) {
+            copy(a.tma_q.with(*q_pipe.producer_get_barrier(q_state)), tQg, tQs);
         }
+        ++q_state;
         // K runs one block ahead of V: an iteration's S GEMM of block n and PV GEMM of block
         // n + 1 free K's stage before V's, so K(n) is issued as soon as its stage frees.
         for (int n = g.n_last - 2; n >= g.n_first; --n) {
@@ -204,6 +194,7 @@ struct Sm90FwdMainloop {
     static __device__ void gather_packed_query(FwdParams const& p, SharedStorage& ss,
                                                SeqInfo const& seq, int bidb, int kv_head,
                                                Sm90TileGeometry const& g) {
+        static_assert(Traits::kQStages == 1);
         Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
         constexpr int kChunks = D::value / 8;  // 16-byte chunks per row
         const T* q = static_cast<const T*>(p.q);
@@ -228,7 +219,7 @@ struct Sm90FwdMainloop {
     }
 
     // Runs one tile for this consumer warp group: acc_o gets the normalised output, lse the
-    // natural-log LSE of this thread's rows. Arrives on kQueryEmpty once Q is no longer read.
+    // natural-log LSE of this thread's rows. Releases Q's buffer once Q is no longer read.
     // With staged_output(p) the epilogue stages O in the tile's last K or V stage
     // (Traits::SmemLayoutOSlice, the stage before k_state / v_state on return), so this group
     // keeps that stage instead of releasing it, and every warp arrives on keys_read /
@@ -240,8 +231,9 @@ struct Sm90FwdMainloop {
     // and barrier of the tile; its rows are never stored.
     template <class AccO, int kRows, bool kIdle>
     static __device__ void compute(Args const& a, SharedStorage& ss,
-                                   typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
-                                   PipeState& k_state, PipeState& v_state, int& q_phase,
+                                   typename Traits::QPipe& q_pipe, typename Traits::KPipe& k_pipe,
+                                   typename Traits::VPipe& v_pipe, typename Traits::QState& q_state,
+                                   PipeState& k_state, PipeState& v_state,
                                    SeqInfo const& seq, int bidb, int bidh,
                                    Sm90TileGeometry const& g, AccO& acc_o,
                                    float (&lse)[kRows], cute::bool_constant<kIdle>) {
@@ -254,7 +246,8 @@ struct Sm90FwdMainloop {
         const int group_q_row0 = group_row0 / pack_factor(p);
         const int group_q_span = (group_row0 + 63) / pack_factor(p) - group_q_row0 + 1;
 
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data() + q_state.index() * Traits::kQElems),
+                                typename Traits::SmemLayoutQ{});
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
 
@@ -340,7 +333,8 @@ struct Sm90FwdMainloop {
             if (n != g.n_first || !keep_keys) k_pipe.consumer_release(k_state);
             ++k_state;
             if (n == g.n_first) {
-                barrier_arrive(NamedBarrier::kQueryEmpty, Traits::kQueryEmptyThreads);
+                q_pipe.consumer_release(q_state);
+                ++q_state;
                 if (staged_output(p) && cute::elect_one_sync()) ss.keys_read.arrive();
             }
         };
@@ -352,8 +346,7 @@ struct Sm90FwdMainloop {
             CUTE_UNROLL
             for (int r = 0; r < kRows; ++r) corr[r] = 1.f;
         }
-        ss.q_full.wait(q_phase);
-        q_phase ^= 1;
+        q_pipe.consumer_wait(q_state);
         if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
 
         // Band tiles: the first key blocks (the rightmost) can lie wholly right of this group's

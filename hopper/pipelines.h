@@ -1,4 +1,4 @@
-// TMA pipelines of the SM90 forward. K and V each get their own pipeline type with its own
+// TMA pipelines of the SM90 forward. Q, K and V each get their own pipeline type with its own
 // Params type, so handing K's params (or barriers) to V's pipeline is a compile error even
 // when both have the same stage count (tests/cpp/kv_pipeline_swap_sm90_should_fail.cu).
 //
@@ -16,6 +16,7 @@
 
 namespace flash {
 
+struct QOperand {};
 struct KOperand {};
 struct VOperand {};
 
@@ -64,6 +65,9 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     typename Base::EmptyBarrier* empty_;
 };
 
+// Q is never multicast: each CTA of a cluster loads its own tile's.
+template <int kStages>
+using QPipeline = OperandPipeline<QOperand, kStages, 1>;
 template <int kStages, int kClusterM = 1>
 using KPipeline = OperandPipeline<KOperand, kStages, kClusterM>;
 template <int kStages, int kClusterM = 1>

@@ -16,14 +16,13 @@ enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, 
 // Hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing else in these kernels
 // uses named barriers, so the ids are ours from 1.
 enum class NamedBarrier : int {
-    kQueryEmpty = 1,   // consumers are done with the Q tile: the producer may load the next Q
-    kConsumers = 2,    // all consumer threads (clearing a V tail before its PV GEMM)
-    kTurnConsumer0 = 3,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
-    kTurnConsumer1 = 4,
-    kTurnConsumer2 = 5,
-    kEpilogue0 = 6,  // the 128 threads of consumer warp group g: kEpilogue0 + g
-    kEpilogue1 = 7,
-    kEpilogue2 = 8,
+    kConsumers = 1,      // all consumer threads (clearing a V tail before its PV GEMM)
+    kTurnConsumer0 = 2,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
+    kTurnConsumer1 = 3,
+    kTurnConsumer2 = 4,
+    kEpilogue0 = 5,  // the 128 threads of consumer warp group g: kEpilogue0 + g
+    kEpilogue1 = 6,
+    kEpilogue2 = 7,
 };
 
 __forceinline__ __device__ NamedBarrier epilogue_barrier(int group) {
