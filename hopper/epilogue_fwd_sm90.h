@@ -286,11 +286,13 @@ struct Sm90FwdEpilogue {
             store(a.p, seq, bidb, bidh, g, acc_o, lse);
             return;
         }
-        if (int(threadIdx.x) % 128 == 0) tma_store_wait<0>();
-        barrier_sync(epilogue_barrier(group), 128);
-        T* slice = ss.o.data() + group * cosize_v<typename Traits::SmemLayoutOSlice>;
-        stage_slice(a, slice, bidb, bidh, g, acc_o);
-        store_lse(a.p, seq, bidb, bidh, g, lse);
+        if constexpr (Traits::kBufferedOutput) {  // the buffer exists (else never called)
+            if (int(threadIdx.x) % 128 == 0) tma_store_wait<0>();
+            barrier_sync(epilogue_barrier(group), 128);
+            T* slice = ss.o.data() + group * cosize_v<typename Traits::SmemLayoutOSlice>;
+            stage_slice(a, slice, bidb, bidh, g, acc_o);
+            store_lse(a.p, seq, bidb, bidh, g, lse);
+        }
     }
 
     // After the last tile: the buffer must outlive the TMA's reads of it.

@@ -151,7 +151,13 @@ struct Sm90FwdTraits {
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);
 
-    struct SharedStorage {
+    // The consumer groups' O slices (kBufferedOutput), one SmemLayoutOSlice each; a base of
+    // SharedStorage, so that kernels without it spend no bytes (d=256 has none to spare).
+    struct OBuffer {
+        alignas(1024) cute::array_aligned<T, kConsumerWarpGroups * cosize_v<SmemLayoutOSlice>> o;
+    };
+    struct NoOBuffer {};
+    struct SharedStorage : std::conditional_t<kBufferedOutput, OBuffer, NoOBuffer> {
         alignas(1024) cute::array_aligned<T, kQStages * kQElems> q;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> v;
@@ -162,9 +168,6 @@ struct Sm90FwdTraits {
         // then overwrite the last K (V) stage.
         cutlass::arch::ClusterBarrier keys_read;
         cutlass::arch::ClusterBarrier values_read;
-        // The consumer groups' O slices (kBufferedOutput), one SmemLayoutOSlice each.
-        alignas(1024) cute::array_aligned<
-            T, kBufferedOutput ? kConsumerWarpGroups * cosize_v<SmemLayoutOSlice> : 1> o;
         TileQueue tiles;
         // Each consumer thread's rounding terms of the lazy softmax (OnlineSoftmax::
         // update_scores_lazy), two rows each: shared memory, not registers (see there).

@@ -86,6 +86,14 @@ struct Sm90FwdMainloop {
         return domain_offset(make_coord(int(row_offset), _0{}), m(_, _, head, batch == 1 ? 0 : bidb));
     }
 
+    // The Q buffer of the pipeline's stage (the stage index is known 0 with one buffer: fewer
+    // registers in the key loops).
+    static __device__ auto query_buffer(SharedStorage& ss, typename Traits::QState const& q) {
+        const int index = Traits::kQStages == 1 ? 0 : q.index();
+        return make_tensor(make_smem_ptr(ss.q.data() + index * Traits::kQElems),
+                           typename Traits::SmemLayoutQ{});
+    }
+
     // ---------------------------------------------------------------- producer ----
 
     // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies. Q's
@@ -103,8 +111,7 @@ struct Sm90FwdMainloop {
         const int bidh_k = Traits::kPackGQA ? bidh : bidh / (p.nheads / p.nheads_k);
         const bool varlen = p.is_varlen();
 
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data() + q_state.index() * Traits::kQElems),
-                                typename Traits::SmemLayoutQ{});
+        Tensor sQ = query_buffer(ss, q_state);
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
 
@@ -246,8 +253,7 @@ struct Sm90FwdMainloop {
         const int group_q_row0 = group_row0 / pack_factor(p);
         const int group_q_span = (group_row0 + 63) / pack_factor(p) - group_q_row0 + 1;
 
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data() + q_state.index() * Traits::kQElems),
-                                typename Traits::SmemLayoutQ{});
+        Tensor sQ = query_buffer(ss, q_state);
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
         Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
 
