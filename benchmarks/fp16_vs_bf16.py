@@ -38,7 +38,8 @@ def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def run_shape(hdim: int, seqlen: int, causal: bool, rounds: int, timer) -> Dict[Tuple[str, str], float]:
+def run_shape(hdim: int, seqlen: int, causal: bool, rounds: int,
+              timer: Callable) -> Dict[Tuple[str, str], float]:
     """TFLOP/s of ours and cuDNN per variant (cuDNN not on the 8-bit variant)."""
     from flash_attn import flash_attn_func
 
@@ -48,8 +49,8 @@ def run_shape(hdim: int, seqlen: int, causal: bool, rounds: int, timer) -> Dict[
     tensors = []
     for label, dtype, through in VARIANTS:
         torch.manual_seed(0)
-        q, k, v = (torch.randn(batch, seqlen, heads, hdim, dtype=through, device="cuda").to(dtype)
-                   for _ in range(3))
+        q, k, v = (torch.randn(batch, seqlen, heads, hdim, dtype=through, device="cuda")
+                   .to(dtype) for _ in range(3))
         tensors.append((q, k, v))
         graphs[("ours", label)] = graph_of(lambda: flash_attn_func(q, k, v, causal=causal))
         if label != "fp16, 8-bit values":
@@ -71,8 +72,8 @@ def main() -> None:
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     args = p.parse_args()
     timer = make_timer()[1]
-    print("| hdim | seqlen | causal | ours bf16 | ours fp16 | fp16 / bf16 | ours fp16, 8-bit values "
-          "| that / bf16 | cuDNN bf16 | cuDNN fp16 | cuDNN fp16 / bf16 |")
+    print("| hdim | seqlen | causal | ours bf16 | ours fp16 | fp16 / bf16 "
+          "| ours fp16, 8-bit values | that / bf16 | cuDNN bf16 | cuDNN fp16 | cuDNN fp16 / bf16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for hdim in map(int, args.hdims.split(",")):
         for seqlen in map(int, args.seqlens.split(",")):

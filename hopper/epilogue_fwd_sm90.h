@@ -7,9 +7,9 @@
 //    while the next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
 //  - store_buffered (batched, unpacked tiles, d <= 64): the same through a buffer of its own,
 //    so a group does not wait for the TMA's read until its next tile's store.
-//  - store (varlen, packed GQA, d = 96, tiles without keys from d = 128): regrouped within each quad of
-//    lanes so that a lane holds 8 neighbouring columns, written with 16-byte stores predicated
-//    on the sequence's rows, so varlen tiles never touch a neighbouring sequence.
+//  - store (varlen, packed GQA, d = 96, tiles without keys from d = 128): regrouped within each
+//    quad of lanes so that a lane holds 8 neighbouring columns, written with 16-byte stores
+//    predicated on the sequence's rows, so varlen tiles never touch a neighbouring sequence.
 // None uses the Q buffer, so the next tile's Q loads while this one finishes.
 #pragma once
 
