@@ -32,7 +32,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     using QPipe = typename Traits::QPipe;
     using KPipe = typename Traits::KPipe;
     using VPipe = typename Traits::VPipe;
-    using PipeRole = typename KPipe::ThreadCategory;
 
     extern __shared__ __align__(1024) char smem[];
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
@@ -43,22 +42,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ss.keys_read.init(Traits::kConsumerThreads / 32);
         ss.values_read.init(Traits::kConsumerThreads / 32);
     }
-    typename QPipe::Params q_params;
-    q_params.role = is_producer ? QPipe::ThreadCategory::Producer : QPipe::ThreadCategory::Consumer;
-    q_params.is_leader = threadIdx.x == 0;
     // Packed tiles: the consumers gather Q, the producer's acquire hands them the free buffer.
-    q_params.transaction_bytes = Traits::kPackGQA ? 0 : Traits::kQBytes;
-    typename KPipe::Params k_params;
-    k_params.role = is_producer ? PipeRole::Producer : PipeRole::Consumer;
-    k_params.is_leader = threadIdx.x == 0;
-    k_params.transaction_bytes = Traits::kKVBytes;
-    typename VPipe::Params v_params;
-    v_params.role = k_params.role;
-    v_params.is_leader = k_params.is_leader;
-    v_params.transaction_bytes = Traits::kKVBytes;
-    QPipe q_pipe(ss.q_pipe, q_params, Traits::kConsumerThreads / 32);
-    KPipe k_pipe(ss.k_pipe, k_params, Traits::kConsumerThreads / 32);
-    VPipe v_pipe(ss.v_pipe, v_params, Traits::kConsumerThreads / 32);
+    constexpr uint32_t kQLoadBytes = Traits::kPackGQA ? 0 : Traits::kQBytes;
+    QPipe q_pipe(ss.q_pipe, pipeline_params<QPipe>(is_producer, kQLoadBytes),
+                 Traits::kConsumerThreads / 32);
+    KPipe k_pipe(ss.k_pipe, pipeline_params<KPipe>(is_producer, Traits::kKVBytes),
+                 Traits::kConsumerThreads / 32);
+    VPipe v_pipe(ss.v_pipe, pipeline_params<VPipe>(is_producer, Traits::kKVBytes),
+                 Traits::kConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
     if constexpr (Traits::kClusterM > 1) {
         // The other CTAs' multicasts and releases reach our barriers: they must be initialised.

@@ -198,11 +198,9 @@ struct Sm90FwdMainloop {
     // reads them. Rows past the sequence are zeroed: their scores are never stored, but the
     // lazy softmax's warp-wide vote reads them, and whatever an earlier tile left there would
     // change the rounding of the rows that are stored from run to run.
-    static __device__ void gather_packed_query(FwdParams const& p, SharedStorage& ss,
-                                               SeqInfo const& seq, int bidb, int kv_head,
-                                               Sm90TileGeometry const& g) {
-        static_assert(Traits::kQStages == 1);
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+    template <class SmemQ>
+    static __device__ void gather_packed_query(FwdParams const& p, SmemQ& sQ, SeqInfo const& seq,
+                                               int bidb, int kv_head, Sm90TileGeometry const& g) {
         constexpr int kChunks = D::value / 8;  // 16-byte chunks per row
         const T* q = static_cast<const T*>(p.q);
         for (int i = int(threadIdx.x) - 128; i < g.rows * kChunks; i += Traits::kConsumerThreads) {
@@ -353,7 +351,7 @@ struct Sm90FwdMainloop {
             for (int r = 0; r < kRows; ++r) corr[r] = 1.f;
         }
         q_pipe.consumer_wait(q_state);
-        if constexpr (Traits::kPackGQA) gather_packed_query(p, ss, seq, bidb, bidh, g);
+        if constexpr (Traits::kPackGQA) gather_packed_query(p, sQ, seq, bidb, bidh, g);
 
         // Band tiles: the first key blocks (the rightmost) can lie wholly right of this group's
         // rows, past the causal diagonal or the window. The group then keeps those blocks'

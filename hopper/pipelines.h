@@ -65,6 +65,17 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     typename Base::EmptyBarrier* empty_;
 };
 
+// A pipeline's params for this thread: the producer warp group produces, thread 0 arms the
+// full barriers with `bytes` per stage.
+template <class Pipe>
+CUTLASS_DEVICE typename Pipe::Params pipeline_params(bool is_producer, uint32_t bytes) {
+    typename Pipe::Params params;
+    params.role = is_producer ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+    params.is_leader = threadIdx.x == 0;
+    params.transaction_bytes = bytes;
+    return params;
+}
+
 // Q is never multicast: each CTA of a cluster loads its own tile's.
 template <int kStages>
 using QPipeline = OperandPipeline<QOperand, kStages, 1>;
