@@ -4,7 +4,10 @@ against a long KV cache, with the query heads of one KV head packed into shared 
 (FLASH_ATTN_PACK_GQA=1) and not (=0), and packed with each tile's keys split over SMs (the
 default where the tiles are few) and not (FLASH_ATTN_SPLIT=0), in one process, on the same
 tensors; SDPA (default backend choice, K/V expanded to every query head, as a model without
-GQA support would call it) alongside.
+GQA support would call it) alongside, and `flash_attn_with_kvcache` on the same keys held in a
+cache twice as long: it writes the step's seqlen_q new K/V rows at row seqlen_k - seqlen_q and
+attends to the first seqlen_k rows (default settings), with cache_seqlens an int and an int32
+tensor.
 
 Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16, causal
 (bottom-right aligned, as in decoding). Each call is captured once in a CUDA graph and the
@@ -68,8 +71,8 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
           f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
-          "speedup | packed, unsplit us | split speedup | packed GB/s | SDPA us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us | with_kvcache, lengths tensor us | SDPA us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
     torch.manual_seed(0)
@@ -88,6 +91,20 @@ def main(argv=None) -> int:
                             lambda: flash_attn.flash_attn_func(q, k, v, causal=True), timer, args)
                         for var in env:
                             os.environ.pop(var)
+                    k_cache = torch.zeros(args.batch, 2 * sk, hk, args.hdim, device="cuda",
+                                          dtype=dt)
+                    v_cache = torch.zeros_like(k_cache)
+                    k_cache[:, :sk], v_cache[:, :sk] = k, v
+                    k_new, v_new = k[:, sk - sq:].clone(), v[:, sk - sq:].clone()
+                    us["kvcache"] = 1e3 * graphed_ms(
+                        lambda: flash_attn.flash_attn_with_kvcache(
+                            q, k_cache, v_cache, k_new, v_new, cache_seqlens=sk - sq,
+                            causal=True), timer, args)
+                    lens = torch.full((args.batch,), sk - sq, dtype=torch.int32, device="cuda")
+                    us["kvcache_t"] = 1e3 * graphed_ms(
+                        lambda: flash_attn.flash_attn_with_kvcache(
+                            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                            causal=True), timer, args)
                     qt = q.transpose(1, 2)
                     kt = k.transpose(1, 2).repeat_interleave(h // hk, dim=1)
                     vt = v.transpose(1, 2).repeat_interleave(h // hk, dim=1)
@@ -100,7 +117,8 @@ def main(argv=None) -> int:
                 print(f"| {sq} | {sk} | {h}:{hk} | {us['0']:.1f} | {us['1']:.1f} | "
                       f"{us['0'] / us['1']:.2f} | {us['unsplit']:.1f} | "
                       f"{us['unsplit'] / us['1']:.2f} | "
-                      f"{kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | {us['sdpa']:.1f} |", flush=True)
+                      f"{kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | {us['kvcache']:.1f} | "
+                      f"{us['kvcache_t']:.1f} | {us['sdpa']:.1f} |", flush=True)
     return 0
 
 

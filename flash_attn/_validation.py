@@ -7,7 +7,8 @@ given and what is expected:
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
 * ``NotImplementedError``: a valid combination this package does not implement (dropout,
-  ALiBi, paged KV cache, deterministic CUDA backward).
+  ALiBi, paged KV cache, a cache's left padding, a forced split count, deterministic CUDA
+  backward).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ __all__ = [
     "validate_varlen_qkv",
     "validate_varlen_qkvpacked",
     "validate_varlen_kvpacked",
+    "KVCacheArgs",
+    "validate_kvcache",
     "check_inputs_enabled",
 ]
 
@@ -168,8 +171,9 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
         )
 
 
-def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
-    """Type / device / dtype / rank / shape checks shared by the batched and varlen paths.
+def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True):
+    """Type / device / dtype / rank / shape checks shared by the batched and varlen paths
+    (`same_batch` False: k and v may hold more sequences than q, as a KV cache does).
 
     Returns (nheads, nheads_k, headdim, device_type)."""
     nq, nk, nv = names
@@ -206,7 +210,7 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool):
             f"{fn}: {nk} and {nv} must have the same shape, got {nk} {tuple(k.shape)} and "
             f"{nv} {tuple(v.shape)}"
         )
-    if not varlen and k_shape[0] != q_shape[0]:
+    if not varlen and same_batch and k_shape[0] != q_shape[0]:
         raise ValueError(
             f"{fn}: {nq} and {nk} must have the same batch size, got {nq} {tuple(q.shape)} "
             f"(batch {q.shape[0]}) and {nk} {tuple(k.shape)} (batch {k.shape[0]})"
@@ -566,3 +570,194 @@ def validate_varlen_kvpacked(
         fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache
+# --------------------------------------------------------------------------------------------
+
+
+class KVCacheArgs(NamedTuple):
+    """A validated ``flash_attn_with_kvcache`` call: the attention's AttnArgs (``seqlen_k`` is
+    the cache's length) and what the cache update and the rotary embedding need."""
+
+    attn: AttnArgs
+    seqlen_new: int  # rows of k / v appended (0 without them)
+    # An int (validated), an int32 (batch,) tensor on q's device, or None (the whole cache).
+    cache_seqlens: Union[int, Tensor, None]
+    rotary_dim: int  # 0 without rotary_cos / rotary_sin
+    rotary_interleaved: bool
+    return_softmax_lse: bool
+
+
+def _check_cache_index(fn: str, name: str, x, q: Tensor, batch: int) -> None:
+    _check_tensor(fn, name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(
+            f"{fn}: {name} must be an int32 tensor of shape (batch,), got {x.dtype}; convert "
+            f"with {name}.to(torch.int32)"
+        )
+    if x.dim() != 1 or x.shape[0] != batch:
+        raise ValueError(
+            f"{fn}: {name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}"
+        )
+    _check_same_device(fn, "q", q, name, x)
+
+
+def validate_kvcache(
+    fn: str,
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+) -> KVCacheArgs:
+    """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b; k / v
+    (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
+    (seqlen_ro, rotary_dim / 2). Returns the normalized call."""
+    if block_table is not None:
+        raise NotImplementedError(
+            f"{fn}: block_table (paged KV cache) is not implemented; pass block_table=None "
+            f"with a contiguous cache of shape (batch_cache, seqlen_cache, nheads_k, headdim)"
+        )
+    if cache_leftpad is not None:
+        raise NotImplementedError(
+            f"{fn}: cache_leftpad is not implemented; pass cache_leftpad=None (keep each "
+            f"sequence's cache rows starting at row 0)"
+        )
+    if not _is_int(num_splits) or num_splits < 0:
+        raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
+    if num_splits != 0:
+        raise NotImplementedError(
+            f"{fn}: num_splits={num_splits} is not implemented: the kernels choose how to split "
+            f"the keys themselves; pass num_splits=0 (FLASH_ATTN_SPLIT=0 turns splitting off)"
+        )
+    nheads, nheads_k, headdim, device_type = _check_qkv_tensors(
+        fn, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, varlen=False, same_batch=False
+    )
+    batch, seqlen_cache = q.shape[0], k_cache.shape[1]
+    if k_cache.shape[0] < batch:
+        raise ValueError(
+            f"{fn}: k_cache must hold at least batch = {batch} sequences (dim 0), got "
+            f"{tuple(k_cache.shape)}"
+        )
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v must be given together (or both None)")
+    seqlen_new = 0
+    if k is not None:
+        _check_qkv_tensors(fn, ("q", "k", "v"), q, k, v, varlen=False)
+        if k.shape[2] != nheads_k:
+            raise ValueError(
+                f"{fn}: k must have nheads_k = {nheads_k} heads (as k_cache), got "
+                f"{tuple(k.shape)}"
+            )
+        seqlen_new = k.shape[1]
+        if seqlen_new > seqlen_cache:
+            raise ValueError(
+                f"{fn}: k has {seqlen_new} new rows but the cache holds only {seqlen_cache} "
+                f"(k_cache.shape[1])"
+            )
+        if cache_seqlens is None:
+            raise ValueError(
+                f"{fn}: cache_seqlens is needed with k and v (the rows where they are written)"
+            )
+    if cache_seqlens is not None:
+        if _is_int(cache_seqlens):
+            n = int(cache_seqlens)
+            if not 0 <= n <= seqlen_cache - seqlen_new:
+                raise ValueError(
+                    f"{fn}: cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
+                    f"{seqlen_cache - seqlen_new}], got {n}"
+                )
+            cache_seqlens = n
+        else:
+            _check_cache_index(fn, "cache_seqlens", cache_seqlens, q, batch)
+    if cache_batch_idx is not None:
+        _check_cache_index(fn, "cache_batch_idx", cache_batch_idx, q, batch)
+    rotary_dim = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together (or both None)")
+    if rotary_cos is not None:
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _check_tensor(fn, name, x)
+            _check_same_device(fn, "q", q, name, x)
+            _check_rank(fn, name, x, 2, "(seqlen_ro, rotary_dim / 2)")
+            if x.dtype not in (q.dtype, torch.float32):
+                raise TypeError(
+                    f"{fn}: {name} must have q's dtype ({q.dtype}) or float32, got {x.dtype}"
+                )
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(
+                f"{fn}: rotary_cos and rotary_sin must have the same shape, got "
+                f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}"
+            )
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_cos.shape[0] < 1 or not 0 < rotary_dim <= headdim:
+            raise ValueError(
+                f"{fn}: rotary_cos must have shape (seqlen_ro >= 1, rotary_dim / 2) with "
+                f"0 < rotary_dim <= headdim = {headdim}, got {tuple(rotary_cos.shape)}"
+            )
+        if type(rotary_interleaved) is not bool:
+            raise TypeError(
+                f"{fn}: rotary_interleaved must be a bool, got {rotary_interleaved!r}"
+            )
+    if type(return_softmax_lse) is not bool:
+        raise TypeError(f"{fn}: return_softmax_lse must be a bool, got {return_softmax_lse!r}")
+    scale, causal, left, right, cap = _check_options(
+        fn, device_type, headdim, 0.0, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, False, False, False,
+    )
+    check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
+    if check_values and not _is_compiling():
+        if isinstance(cache_seqlens, Tensor):
+            bad = [(i, n) for i, n in enumerate(cache_seqlens.tolist())
+                   if not 0 <= n <= seqlen_cache - seqlen_new]
+            if bad:
+                raise ValueError(
+                    f"{fn}: cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
+                    f"{seqlen_cache - seqlen_new}], got cache_seqlens[{bad[0][0]}] = "
+                    f"{bad[0][1]}"
+                )
+        if rotary_dim:
+            # The last position rotated: the cache's length (plus the new rows or q's rows).
+            start = seqlen_cache if cache_seqlens is None else (
+                max(cache_seqlens.tolist(), default=0) if isinstance(cache_seqlens, Tensor)
+                else cache_seqlens)
+            local = causal or left >= 0 or right >= 0
+            last = start + max(seqlen_new, q.shape[1] if local else 1) - 1
+            if last >= rotary_cos.shape[0]:
+                raise ValueError(
+                    f"{fn}: rotary_cos and rotary_sin have {rotary_cos.shape[0]} positions "
+                    f"(seqlen_ro), but position {last} is rotated; pass tables of at least "
+                    f"{last + 1} rows"
+                )
+        if cache_batch_idx is not None:
+            bad = [(i, n) for i, n in enumerate(cache_batch_idx.tolist())
+                   if not 0 <= n < k_cache.shape[0]]
+            if bad:
+                raise ValueError(
+                    f"{fn}: cache_batch_idx must be in [0, batch_cache) = [0, "
+                    f"{k_cache.shape[0]}), got cache_batch_idx[{bad[0][0]}] = {bad[0][1]}"
+                )
+    attn = AttnArgs(
+        varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=seqlen_cache, total_q=None,
+        total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim, softmax_scale=scale,
+        causal=causal, window_left=left, window_right=right, softcap=cap,
+        device_type=device_type, dtype=q.dtype,
+    )
+    return KVCacheArgs(attn, seqlen_new, cache_seqlens, rotary_dim, bool(rotary_interleaved),
+                       return_softmax_lse)

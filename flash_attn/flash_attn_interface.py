@@ -1,6 +1,6 @@
 """The public FlashAttention-2 style functions.
 
-All six functions validate their arguments (:mod:`flash_attn._validation`), then call
+All seven functions validate their arguments (:mod:`flash_attn._validation`), then call
 :func:`flash_attn.ops.flash_attn_fwd`: under ``torch.compile`` the custom op
 ``torch.ops.flash_attn._fwd``, whose autograd formula calls ``torch.ops.flash_attn._bwd``; in
 eager mode the same kernels and backward formula without the custom op's dispatch overhead.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -36,6 +37,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -435,3 +437,190 @@ flash_attn_varlen_func.__doc__ = (
             anything else raises NotImplementedError)."""
     + _VARLEN_RETURN
 )
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (batch, seqlen, nheads, headdim)'s first 2 * cos.shape[1] dims at
+    positions pos (batch, seqlen), computed in float32 (float64 for float64 x)."""
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rd = 2 * cos.shape[1]
+    pos = pos.clamp(0, cos.shape[0] - 1)  # a bad cache_seqlens never indexes out of range
+    c = cos.to(cdt)[pos].unsqueeze(2)  # (batch, seqlen, 1, rd / 2)
+    s = sin.to(cdt)[pos].unsqueeze(2)
+    xr = x[..., :rd].to(cdt)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _write_rows(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, first,
+                slots: Optional[Tensor]) -> None:
+    """k_cache[slot b, first[b] + j] = k[b, j] in place (v alike), for the rows inside the
+    cache. `first`: an int (validated in range) or an int32 (batch,) tensor; `slots`: the cache
+    entries (cache_batch_idx), or None for entries 0..batch-1.
+
+    From a tensor, rows past the cache's end (a cache_seqlens too large) are not written: their
+    indices wrap around (seqlen_new <= seqlen_cache keeps them distinct from the written ones)
+    and write the values already there, so no index is out of range and nothing needs a
+    device sync."""
+    batch, seqlen_new = k.shape[0], k.shape[1]
+    if isinstance(first, int) and slots is None:
+        k_cache[:batch, first:first + seqlen_new] = k
+        v_cache[:batch, first:first + seqlen_new] = v
+        return
+    seqlen_cache = k_cache.shape[1]
+    pos = torch.arange(seqlen_new, device=k.device) + (
+        first if isinstance(first, int) else first.long().unsqueeze(1))
+    rows = torch.remainder(pos, seqlen_cache).expand(batch, seqlen_new)
+    inside = (rows == pos)[..., None, None]  # 0 <= pos < seqlen_cache
+    if slots is None:
+        seqs = torch.arange(batch, device=k.device).unsqueeze(1).expand_as(rows)
+    else:
+        seqs = slots.unsqueeze(1).expand_as(rows)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        cache[seqs, rows] = torch.where(inside, new, cache[seqs, rows])
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    fn = "flash_attn_with_kvcache"
+    c = V.validate_kvcache(
+        fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+    )
+    a = c.attn
+    batch, seqlen_cache = a.batch, a.seqlen_k
+    slots = None
+    if cache_batch_idx is not None:  # clamped: a bad index never reaches out of the cache
+        slots = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+    first = c.cache_seqlens
+    if c.rotary_dim:
+        start = seqlen_cache if first is None else first
+        start = start if isinstance(start, int) else start.long().unsqueeze(1)
+        local = a.causal or a.window_left >= 0 or a.window_right >= 0
+        steps = torch.arange(a.seqlen_q if local else 1, device=q.device)
+        q = _rotate(q, rotary_cos, rotary_sin, (start + steps).expand(batch, a.seqlen_q),
+                    c.rotary_interleaved)
+        if k is not None:
+            pos = start + torch.arange(c.seqlen_new, device=q.device)
+            k = _rotate(k, rotary_cos, rotary_sin, pos.expand(batch, c.seqlen_new),
+                        c.rotary_interleaved)
+    if k is not None:
+        _write_rows(k_cache, v_cache, k, v, first, slots)
+    if slots is None:
+        keys, values = k_cache[:batch], v_cache[:batch]
+    else:
+        keys, values = k_cache[slots], v_cache[slots]
+    seqused_k = None
+    if isinstance(first, int):
+        seqused_k = torch.full((batch,), first + c.seqlen_new, dtype=torch.int32,
+                               device=q.device)
+    elif first is not None:
+        seqused_k = (first + c.seqlen_new).clamp(0, seqlen_cache).to(torch.int32)
+    q, keys, values = _maybe_contiguous(q), _maybe_contiguous(keys), _maybe_contiguous(values)
+    hd = a.headdim
+    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
+    if pad:
+        q, keys, values = F.pad(q, [0, pad]), F.pad(keys, [0, pad]), F.pad(values, [0, pad])
+    out, lse = ops.flash_attn_fwd(
+        q, keys, values, None, None, seqused_k, a.seqlen_q, seqlen_cache, a.softmax_scale,
+        a.causal, a.window_left, a.window_right, a.softcap,
+    )
+    if pad:
+        out = out[..., :hd]
+    return (out, lse) if c.return_softmax_lse else out
+
+
+flash_attn_with_kvcache.__doc__ = """
+    If k and v are not None, k_cache and v_cache will be updated *inplace* with the new values
+    from k and v. This is useful for incremental decoding: you can pass in the cached keys and
+    values from the previous step, and update them with the new keys and values from the
+    current step, and do attention with the updated cache, all in one call.
+
+    Also apply rotary embedding if rotary_cos and rotary_sin are passed in. The key k will be
+    rotated by rotary_cos and rotary_sin at indices cache_seqlens, cache_seqlens + 1, etc. If
+    causal or local (i.e., window_size != (-1, -1)), the query q will be rotated by rotary_cos
+    and rotary_sin at indices cache_seqlens, cache_seqlens + 1, etc. If not causal and not
+    local, the query q will be rotated by rotary_cos and rotary_sin at indices cache_seqlens
+    only (i.e. we consider all tokens in q to be at position cache_seqlens). The rotation is
+    computed in float32 by PyTorch ops before the kernel runs.
+
+    The attention of batch entry b reads the first cache_seqlens[b] + seqlen_new rows of its
+    cache entry (after the update); the causal mask and the window are aligned bottom-right to
+    that length.
+""" + _GQA_DOC + """
+
+    The cache is read in place where cache_batch_idx is None; with cache_batch_idx the
+    selected entries are gathered into a copy first (a cost proportional to the cache). This
+    is an inference API: a backward pass through it raises NotImplementedError whenever
+    cache_seqlens is given (the backward kernels do not take the cache's lengths).
+
+    Arguments:
+        q: (batch_size, seqlen, nheads, headdim)
+        k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), batch_size_cache >=
+            batch_size (a paged cache, with block_table, is not implemented).
+        v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim)
+        k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, we concatenate
+            k with k_cache, starting at the indices specified by cache_seqlens.
+        v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Similar to k.
+        rotary_cos [optional]: (seqlen_ro, rotary_dim / 2), q's dtype or float32; rotary_dim
+            <= headdim. A position past seqlen_ro is refused on CPU and on CUDA with
+            FLASH_ATTN_CHECK_INPUTS=1; otherwise it reads the last row (never out of range).
+        rotary_sin [optional]: (seqlen_ro, rotary_dim / 2). Similar to rotary_cos.
+        cache_seqlens: int, or (batch_size,), dtype torch.int32. The sequence lengths of the
+            KV cache; required with k and v. None (without k and v): every row of the cache.
+            Lengths past seqlen_cache - seqlen_new never write or read outside the cache: the
+            rows that would land past its end are dropped (checked and refused on CPU, and on
+            CUDA with FLASH_ATTN_CHECK_INPUTS=1).
+        cache_batch_idx: (batch_size,), dtype torch.int32. The indices used to index into the
+            KV cache. If None, we assume that the batch indices are [0, 1, 2, ..., batch_size -
+            1]. If the indices are not distinct, and k and v are provided, the values updated
+            in the cache might come from any of the duplicate indices.
+        cache_leftpad: must be None (left-padded caches are not implemented).
+        block_table: must be None (paged KV cache is not implemented).
+        softmax_scale: float. The scaling of QK^T before applying softmax.
+            Default to 1 / sqrt(headdim).
+        causal: bool. Whether to apply causal attention mask (e.g., for auto-regressive
+            modeling).
+        window_size: (left, right). If not (-1, -1), implements sliding window local
+            attention.
+        softcap: float. Anything > 0 activates softcapping attention.
+        rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
+            If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
+            rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +
+            1 (i.e. GPT-NeoX style).
+        alibi_slopes: must be None (ALiBi is not implemented yet).
+        num_splits: int. Must be 0: the kernels choose how many pieces to split the keys into
+            (FLASH_ATTN_SPLIT=0 turns the split off); other values raise NotImplementedError.
+        return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.
+
+    Return:
+        out: (batch_size, seqlen, nheads, headdim).
+        softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen),
+            float32. The logsumexp of each row of the matrix QK^T * scaling (e.g., log of the
+            softmax normalization factor); +inf for rows that attend to no key.
+"""

@@ -13,6 +13,7 @@ from flash_attn import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_with_kvcache,
 )
 from flash_attn import ops  # noqa: F401  (registers torch.ops.flash_attn.*)
 
@@ -96,6 +97,28 @@ def test_compile_dynamic_shapes():
         torch.testing.assert_close(out_c, out_e)
         for a, b in zip(g_c, g_e):
             torch.testing.assert_close(a, b)
+
+
+def test_compile_kvcache_fullgraph():
+    """A decode step (rotary, the cache written in place, attention) compiles without graph
+    breaks and updates the cache as eager mode does."""
+    torch.manual_seed(3)
+    torch._dynamo.reset()
+    cos, sin = torch.randn(32, 4), torch.randn(32, 4)
+
+    def step(q, k_cache, v_cache, k, v, lens):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos,
+                                       rotary_sin=sin, cache_seqlens=lens, causal=True)
+
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    k_cache, v_cache = torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 16)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    kc_e, vc_e, kc_c, vc_c = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    out_e = step(q, kc_e, vc_e, k, v, lens)
+    out_c = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc_c, vc_c, k, v, lens)
+    torch.testing.assert_close(out_c, out_e, atol=0, rtol=0)
+    assert torch.equal(kc_c, kc_e) and torch.equal(vc_c, vc_e)
+    assert not torch.equal(kc_e, k_cache)
 
 
 def test_compile_validation_error_surfaces():

@@ -15,6 +15,7 @@ from flash_attn import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from flash_attn.reference import attention_forward_ref
 
@@ -58,7 +59,7 @@ def test_exports_and_version():
     assert flash_attn.__version__ == "0.1.0"
     for name in ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                  "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-                 "flash_attn_varlen_kvpacked_func", "build_info"]:
+                 "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info"]:
         assert callable(getattr(flash_attn, name)), name
 
 
@@ -75,6 +76,11 @@ def test_signatures_match_flash_attention_2():
         flash_attn_varlen_func:
             f"(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
             "block_table=None)",
+        flash_attn_with_kvcache:
+            "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+            "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+            "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+            "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
     }
     for fn, sig in expected.items():
         assert str(inspect.signature(fn)) == sig, fn.__name__

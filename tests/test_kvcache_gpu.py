@@ -1,0 +1,332 @@
+"""GPU tests of flash_attn_with_kvcache: the kernels (cache update, rotary, attention over the
+first cache_seqlens[b] + seqlen_new keys of each cache entry) against the CPU path.
+
+* Output: the accuracy rule of test_flash_attn_gpu.py, max|ours - ref| <= 2 * max|pt - ref| +
+  atol, with ``ref`` the same call run on CPU in float64 (on upcast copies of the inputs) and
+  ``pt`` attention_ref in q's dtype on the explicitly concatenated keys (cache rows before the
+  call + the new rows), q and the new k rotated in float32 and rounded to q's dtype.
+* softmax_lse: assert_lse against the float64 CPU run; with rotary the accuracy rule as for the
+  output (the rotated q and k are rounded to q's dtype before the attention).
+* Cache update: equal to the same call run on CPU in q's dtype: bitwise without rotary, within
+  1 ulp with rotary (float32 rotation; FMA contraction may round the other way).
+* The cache rows from cache_seqlens[b] on hold NaN before the call: rows that are neither
+  written nor attended must not reach the output; the output buffer is poisoned as in the other
+  GPU tests.
+
+Every test runs on each kernel path of the GPU (the ``kernel_path`` fixture).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_ref import (  # noqa: E402
+    arg_re,
+    assert_accuracy,
+    assert_lse,
+    attention_ref,
+)
+from attn_ref import kernel_path, poisoned_allocator  # noqa: E402,F401  (autouse fixtures)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from flash_attn import flash_attn_with_kvcache
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NAN = float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def rotary_tables(seqlen_ro, rotary_dim, dtype, base=10000.0):
+    """cos, sin (seqlen_ro, rotary_dim / 2) on CUDA in dtype: angle = pos * base^(-2i / dim)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(seqlen_ro, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return ang.cos().to("cuda", dtype), ang.sin().to("cuda", dtype)
+
+
+def rotate(x, cos, sin, pos, interleaved):
+    """x (b, s, heads, d), row (i, j) rotated at position pos[i, j] (first 2 * cos.shape[1]
+    dims), computed in float32 and returned in x's dtype."""
+    rd = 2 * cos.shape[1]
+    xf = x.float()
+    c = cos.float()[pos].unsqueeze(2)  # (b, s, 1, rd / 2)
+    s = sin.float()[pos].unsqueeze(2)
+    if interleaved:
+        x0, x1 = xf[..., 0:rd:2], xf[..., 1:rd:2]
+        r = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    else:
+        x0, x1 = xf[..., : rd // 2], xf[..., rd // 2:rd]
+        r = torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+    return torch.cat([r, xf[..., rd:]], dim=-1).to(x.dtype)
+
+
+def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                  cache_seqlens=None, cache_batch_idx=None, causal=False, window_size=(-1, -1),
+                  rotary_interleaved=True):
+    """``pt`` of the accuracy rule: attention_ref in q's dtype per sequence on
+    cat(k_cache[e, :cache_seqlens[b]], rotated k[b]) (k_cache as before the call), q rotated at
+    cache_seqlens[b] (+ j with causal or a window). Returns out (batch, seqlen_q, nheads, d) in
+    q's dtype and lse (batch, nheads, seqlen_q) in float32."""
+    b, sq = q.shape[:2]
+    if cache_seqlens is None:
+        lens = torch.full((b,), k_cache.shape[1], dtype=torch.long, device=q.device)
+    else:
+        lens = cache_seqlens.long()
+    if k is not None and rotary_cos is not None:
+        local = causal or tuple(window_size) != (-1, -1)
+        qpos = lens[:, None] + torch.arange(sq, device=q.device)[None, :] * int(local)
+        kpos = lens[:, None] + torch.arange(k.shape[1], device=q.device)[None, :]
+        q = rotate(q, rotary_cos, rotary_sin, qpos, rotary_interleaved)
+        k = rotate(k, rotary_cos, rotary_sin, kpos, rotary_interleaved)
+    outs, lses = [], []
+    for i, c in enumerate(lens.tolist()):
+        e = i if cache_batch_idx is None else int(cache_batch_idx[i])
+        kb, vb = k_cache[e, :c], v_cache[e, :c]
+        if k is not None:
+            kb, vb = torch.cat([kb, k[i]]), torch.cat([vb, v[i]])
+        o, lse = attention_ref(q[i:i + 1], kb[None], vb[None], causal=causal,
+                               window_size=window_size, compute_dtype=q.dtype)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def to_cpu(kw, dtype=None):
+    """kw with its tensors copied to CPU (floating ones cast to dtype when given)."""
+    res = {}
+    for name, x in kw.items():
+        if isinstance(x, torch.Tensor):
+            x = x.cpu()
+            if dtype is not None and x.is_floating_point():
+                x = x.to(dtype)
+        res[name] = x
+    return res
+
+
+def _ordered_bits(x):
+    """16-bit floats as int32 ordered like their values (neighbours differ by 1, +-0 is 0)."""
+    i = x.view(torch.int16).to(torch.int32)
+    return torch.where(i < 0, -(i & 0x7FFF), i)
+
+
+def assert_cache_matches(name, got, want, max_ulps):
+    """got (CUDA) against want (CPU), both 16-bit: bitwise (NaN included) for max_ulps 0, else
+    within max_ulps (or 1e-6 absolute, for near-cancellations in the float32 rotation)."""
+    got = got.cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype)
+    if max_ulps == 0:
+        same = got.view(torch.int16) == want.view(torch.int16)
+        assert same.all(), f"{name}: {int((~same).sum())} entries differ bitwise from the CPU's"
+        return
+    ulps = (_ordered_bits(got) - _ordered_bits(want)).abs()
+    tiny = (got.float() - want.float()).abs() <= 1e-6
+    bad = (ulps > max_ulps) & ~tiny
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} entries differ from the CPU's by more than {max_ulps} ulp "
+        f"(max {int(ulps[bad].max())} ulp)"
+    )
+
+
+def check_against_cpu(q, k_cache, v_cache, **kw):
+    """Runs flash_attn_with_kvcache on the GPU (with and without return_softmax_lse) and checks
+    out, softmax_lse and the caches as the module docstring says. Returns out."""
+    rotary = kw.get("rotary_cos") is not None
+    kc0, vc0 = k_cache.clone(), v_cache.clone()
+    # float64 reference on CPU; the NaN rows (never read) are zeroed for it
+    out_ref, lse_ref = flash_attn_with_kvcache(
+        q.cpu().double(), torch.nan_to_num(kc0.cpu().double()),
+        torch.nan_to_num(vc0.cpu().double()), return_softmax_lse=True,
+        **to_cpu(kw, torch.float64),
+    )
+    # the cache update on CPU in q's dtype (its output is not used)
+    kc_cpu, vc_cpu = kc0.cpu(), vc0.cpu()
+    flash_attn_with_kvcache(q.cpu(), kc_cpu, vc_cpu, **to_cpu(kw))
+    out_pt, lse_pt = lowp_baseline(q, kc0, vc0, **kw)
+
+    res = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw)
+    assert isinstance(res, tuple) and len(res) == 2, type(res)
+    out, lse = res
+    assert out.dtype == q.dtype and out.device == q.device, (out.dtype, out.device)
+    assert out.shape == q.shape, (tuple(out.shape), tuple(q.shape))
+    out_ref = out_ref.cuda()
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    if rotary:
+        # q and k are rotated in float32 and rounded to q's dtype (the kernels' inputs), which
+        # moves the lse by more than assert_lse's rtol: the accuracy rule instead.
+        assert lse.dtype == torch.float32, lse.dtype
+        assert_accuracy("softmax_lse", lse, lse_ref.cuda().double(), lse_pt, 2)
+    else:
+        assert_lse("softmax_lse", lse, lse_ref.cuda())
+    assert_cache_matches("k_cache", k_cache, kc_cpu, 1 if rotary else 0)
+    assert_cache_matches("v_cache", v_cache, vc_cpu, 0)
+
+    # Again, output only: the same rows are written again with the same values.
+    out2 = flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    assert isinstance(out2, torch.Tensor), type(out2)
+    assert_accuracy("out (return_softmax_lse=False)", out2, out_ref, out_pt, 2)
+    assert_cache_matches("k_cache (second call)", k_cache, kc_cpu, 1 if rotary else 0)
+    assert_cache_matches("v_cache (second call)", v_cache, vc_cpu, 0)
+    return out
+
+
+def make_inputs(dtype, d, b, sq, sn, sc, h, hk, lens, batch_cache=None, cache_batch_idx=None):
+    """q, k_cache, v_cache, k, v on CUDA; the cache rows of entry cache_batch_idx[i] (or i) from
+    lens[i] on are NaN. k, v are None when sn is 0."""
+    q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
+    k_cache = torch.randn(batch_cache or b, sc, hk, d, dtype=dtype, device="cuda")
+    v_cache = torch.randn(batch_cache or b, sc, hk, d, dtype=dtype, device="cuda")
+    if lens is not None:
+        entries = range(b) if cache_batch_idx is None else cache_batch_idx.tolist()
+        for e, c in zip(entries, lens):
+            k_cache[e, c:] = NAN
+            v_cache[e, c:] = NAN
+    if sn == 0:
+        return q, k_cache, v_cache, None, None
+    k = torch.randn(b, sn, hk, d, dtype=dtype, device="cuda")
+    v = torch.randn(b, sn, hk, d, dtype=dtype, device="cuda")
+    return q, k_cache, v_cache, k, v
+
+
+def rotary_kwargs(rotary, sc, d, dtype):
+    """rotary None / "interleaved" (GPT-J) / "neox" (half split); rotary_dim = d for d <= 64,
+    else d / 2 (only the first half rotated)."""
+    if rotary is None:
+        return {}
+    cos, sin = rotary_tables(sc, d if d <= 64 else d // 2, dtype)
+    return dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary == "interleaved")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode and prefill chunks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_kvcache(dtype, d, case, rotary):
+    """GQA 8:2, seqlen_cache 512. decode: one new token per sequence, cache_seqlens random in
+    [0, 500] (0 and 500 included), non-causal. prefill: a causal chunk of 64 queries and 64 new
+    keys at random offsets. Output, lse and cache update against the CPU path."""
+    torch.manual_seed(0)
+    dt = DTYPES[dtype]
+    sc, h, hk = 512, 8, 2
+    if case == "decode":
+        b, s, causal = 4, 1, False
+        lens = torch.randint(0, 501, (b,))
+        lens[0], lens[1] = 0, 500
+    else:
+        b, s, causal = 2, 64, True
+        lens = torch.randint(0, sc - s + 1, (b,))
+    lens = lens.tolist()
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, b, s, s, sc, h, hk, lens)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    check_against_cpu(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal,
+                      **rotary_kwargs(rotary, sc, d, dt))
+
+
+@pytest.mark.parametrize("mode", ["append", "append_rotary", "whole_cache"])
+def test_split_kv_decode(mode, monkeypatch):
+    """A decode step over a long cache (seqlen_cache 4096, batch 1, 32 query heads over 8 KV
+    heads): a few query tiles against many key blocks, so the keys are split over SMs and the
+    pieces merged. append: one new token at row 4000; append_rotary: at the last row (4095),
+    rotated; whole_cache: no k/v and cache_seqlens None (all 4096 rows)."""
+    monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(1)
+    dt, d, sc, h, hk = torch.bfloat16, 128, 4096, 32, 8
+    if mode == "whole_cache":
+        q, k_cache, v_cache, _, _ = make_inputs(dt, d, 1, 1, 0, sc, h, hk, None)
+        check_against_cpu(q, k_cache, v_cache)
+        return
+    lens = [4000] if mode == "append" else [sc - 1]
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, 1, 1, 1, sc, h, hk, lens)
+    kw = dict(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    if mode == "append_rotary":
+        kw.update(rotary_kwargs("interleaved", sc, d, dt))
+    check_against_cpu(q, k_cache, v_cache, **kw)
+
+
+def test_cache_batch_idx():
+    """Batch b reads and writes entry cache_batch_idx[b] of a larger cache (rotary, GQA 8:2);
+    the entries not indexed keep their bits."""
+    torch.manual_seed(2)
+    dt, d, sc = torch.bfloat16, 128, 256
+    idx = torch.tensor([4, 0, 5], dtype=torch.int32, device="cuda")
+    lens = [17, 0, 255]
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, 3, 1, 1, sc, 8, 2, lens, batch_cache=6,
+                                            cache_batch_idx=idx)
+    check_against_cpu(q, k_cache, v_cache, k=k, v=v,
+                      cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                      cache_batch_idx=idx, **rotary_kwargs("neox", sc, d, dt))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["full", "window"])
+def test_rotary_query_positions(window):
+    """A non-causal chunk of 16 queries with rotary: without a window every q row is rotated at
+    cache_seqlens[b], with a window row j at cache_seqlens[b] + j (as with causal)."""
+    torch.manual_seed(4)
+    dt, d, sc, s = torch.bfloat16, 128, 256, 16
+    lens = [0, 100, sc - s]
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, 3, s, s, sc, 8, 2, lens)
+    check_against_cpu(q, k_cache, v_cache, k=k, v=v,
+                      cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                      window_size=window, **rotary_kwargs("interleaved", sc, d, dt))
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors leave CUDA usable
+# ---------------------------------------------------------------------------------------------
+
+
+def _i32(*shape):
+    return torch.zeros(*shape, dtype=torch.int32, device="cuda")
+
+
+def _all_fp32(a):
+    return {n: a[n].float() for n in ("q", "k_cache", "v_cache", "k", "v")}
+
+
+# (id, overrides of the good arguments, exception, argument the message names)
+ERROR_CASES = [
+    ("block_table", lambda a: dict(block_table=_i32(2, 1)), NotImplementedError, "block_table"),
+    ("cache_leftpad", lambda a: dict(cache_leftpad=_i32(2)), NotImplementedError,
+     "cache_leftpad"),
+    ("num_splits", lambda a: dict(num_splits=4), NotImplementedError, "num_splits"),
+    ("cache_seqlens_int64", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), TypeError,
+     "cache_seqlens"),
+    ("k_without_v", lambda a: dict(v=None), ValueError, "v"),
+    ("fp32_on_cuda", _all_fp32, TypeError, "q"),
+]
+
+
+@pytest.mark.parametrize("over,exc,name",
+                         [pytest.param(o, e, n, id=i) for i, o, e, n in ERROR_CASES])
+def test_error_then_cuda_works(over, exc, name):
+    """A bad call (block_table, ...) raises a named Python error before touching the caches;
+    the same caches then work in a good call, checked against the CPU path."""
+    torch.manual_seed(3)
+    lens = [10, 100]
+    q, k_cache, v_cache, k, v = make_inputs(torch.bfloat16, 64, 2, 1, 1, 128, 8, 2, lens)
+    good = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    kc0, vc0 = k_cache.clone(), v_cache.clone()
+    bad = dict(good)
+    bad.update(over(good))
+    with pytest.raises(exc, match=arg_re(name)):
+        flash_attn_with_kvcache(**bad)
+    torch.cuda.synchronize()
+    assert_cache_matches("k_cache", k_cache, kc0.cpu(), 0)
+    assert_cache_matches("v_cache", v_cache, vc0.cpu(), 0)
+    args = dict(good)
+    check_against_cpu(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), causal=True,
+                      **args)
+    torch.cuda.synchronize()
