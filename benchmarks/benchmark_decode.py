@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
           f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
-          "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us | with_kvcache, lengths tensor us | SDPA us |")
+          "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us "
+          "| with_kvcache, lengths tensor us | SDPA us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
