@@ -639,8 +639,10 @@ def validate_kvcache(
             f"{fn}: cache_leftpad is not implemented; pass cache_leftpad=None (keep each "
             f"sequence's cache rows starting at row 0)"
         )
-    if not _is_int(num_splits) or num_splits < 0:
+    if not _is_int(num_splits):
         raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
+    if num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be >= 0, got {num_splits}")
     if num_splits != 0:
         raise NotImplementedError(
             f"{fn}: num_splits={num_splits} is not implemented: the kernels choose how to split "
