@@ -604,6 +604,14 @@ def _check_cache_index(fn: str, name: str, x, q: Tensor, batch: int) -> None:
     _check_same_device(fn, "q", q, name, x)
 
 
+def _check_index_values(fn: str, name: str, x: Tensor, end: int, interval: str) -> None:
+    """Every entry of the int tensor x in [0, end), `interval` naming that range in the error
+    (a device sync on CUDA)."""
+    for i, n in enumerate(x.tolist()):
+        if not 0 <= n < end:
+            raise ValueError(f"{fn}: {name} must be in {interval}, got {name}[{i}] = {n}")
+
+
 def validate_kvcache(
     fn: str,
     q,
@@ -677,14 +685,12 @@ def validate_kvcache(
             raise ValueError(
                 f"{fn}: cache_seqlens is needed with k and v (the rows where they are written)"
             )
+    lens_interval = f"[0, seqlen_cache - seqlen_new] = [0, {seqlen_cache - seqlen_new}]"
     if cache_seqlens is not None:
         if _is_int(cache_seqlens):
             n = int(cache_seqlens)
             if not 0 <= n <= seqlen_cache - seqlen_new:
-                raise ValueError(
-                    f"{fn}: cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
-                    f"{seqlen_cache - seqlen_new}], got {n}"
-                )
+                raise ValueError(f"{fn}: cache_seqlens must be in {lens_interval}, got {n}")
             cache_seqlens = n
         else:
             _check_cache_index(fn, "cache_seqlens", cache_seqlens, q, batch)
@@ -726,14 +732,8 @@ def validate_kvcache(
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
         if isinstance(cache_seqlens, Tensor):
-            bad = [(i, n) for i, n in enumerate(cache_seqlens.tolist())
-                   if not 0 <= n <= seqlen_cache - seqlen_new]
-            if bad:
-                raise ValueError(
-                    f"{fn}: cache_seqlens must be in [0, seqlen_cache - seqlen_new] = [0, "
-                    f"{seqlen_cache - seqlen_new}], got cache_seqlens[{bad[0][0]}] = "
-                    f"{bad[0][1]}"
-                )
+            _check_index_values(fn, "cache_seqlens", cache_seqlens,
+                                seqlen_cache - seqlen_new + 1, lens_interval)
         if rotary_dim:
             # The last position rotated: the cache's length (plus the new rows or q's rows).
             start = seqlen_cache if cache_seqlens is None else (
@@ -748,13 +748,8 @@ def validate_kvcache(
                     f"{last + 1} rows"
                 )
         if cache_batch_idx is not None:
-            bad = [(i, n) for i, n in enumerate(cache_batch_idx.tolist())
-                   if not 0 <= n < k_cache.shape[0]]
-            if bad:
-                raise ValueError(
-                    f"{fn}: cache_batch_idx must be in [0, batch_cache) = [0, "
-                    f"{k_cache.shape[0]}), got cache_batch_idx[{bad[0][0]}] = {bad[0][1]}"
-                )
+            _check_index_values(fn, "cache_batch_idx", cache_batch_idx, k_cache.shape[0],
+                                f"[0, batch_cache) = [0, {k_cache.shape[0]})")
     attn = AttnArgs(
         varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=seqlen_cache, total_q=None,
         total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim, softmax_scale=scale,

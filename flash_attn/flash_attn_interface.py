@@ -45,6 +45,32 @@ def _maybe_contiguous(x: Tensor) -> Tensor:
     return x.contiguous() if x.stride(-1) != 1 else x
 
 
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: V.AttnArgs,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    deterministic: bool,
+):
+    """(out, softmax_lse) of the forward op, on inputs made kernel-ready: a last dim with
+    stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back)."""
+    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
+    hd = a.headdim
+    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
+    if pad:
+        q, k, v = F.pad(q, [0, pad]), F.pad(k, [0, pad]), F.pad(v, [0, pad])
+    out, lse = ops.flash_attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
+    )
+    return (out[..., :hd] if pad else out), lse
+
+
 def _attention(
     q: Tensor,
     k: Tensor,
@@ -57,22 +83,12 @@ def _attention(
     deterministic: bool,
     return_attn_probs: bool,
 ):
-    q0, k0 = q, k
-    q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
-    hd = a.headdim
-    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
-    if pad:
-        q, k, v = F.pad(q, [0, pad]), F.pad(k, [0, pad]), F.pad(v, [0, pad])
-    out, lse = ops.flash_attn_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
-        a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-    )
-    if pad:
-        out = out[..., :hd]
+    out, lse = _forward(q, k, v, a, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
+                        max_seqlen_k, deterministic)
     if not return_attn_probs:
         return out
     probs = reference.attention_probs_ref(
-        q0.detach(), k0.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        q.detach(), k.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
     )
     return out, lse, probs
@@ -103,16 +119,18 @@ _VARLEN_RETURN = _RETURN_DOC.format(
     "beyond each sequence's lengths",
 )
 
-_COMMON_ARGS_DOC = """
-        dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
-            implemented yet; dropout_p > 0 raises NotImplementedError).
+_SCORE_ARGS_DOC = """
         softmax_scale: float. The scaling of QK^T before applying softmax.
             Default to 1 / sqrt(headdim).
         causal: bool. Whether to apply causal attention mask (e.g., for auto-regressive
             modeling).
         window_size: (left, right). If not (-1, -1), implements sliding window local
             attention.
-        softcap: float. Anything > 0 activates softcapping attention.
+        softcap: float. Anything > 0 activates softcapping attention."""
+
+_COMMON_ARGS_DOC = """
+        dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
+            implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
         alibi_slopes: must be None (ALiBi is not implemented yet).
         deterministic: bool. Whether to use the deterministic implementation of the backward
             pass. The CUDA backward is not deterministic (dq is accumulated with atomic adds),
@@ -541,17 +559,8 @@ def flash_attn_with_kvcache(
                                device=q.device)
     elif first is not None:
         seqused_k = (first + c.seqlen_new).clamp(0, seqlen_cache).to(torch.int32)
-    q, keys, values = _maybe_contiguous(q), _maybe_contiguous(keys), _maybe_contiguous(values)
-    hd = a.headdim
-    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
-    if pad:
-        q, keys, values = F.pad(q, [0, pad]), F.pad(keys, [0, pad]), F.pad(values, [0, pad])
-    out, lse = ops.flash_attn_fwd(
-        q, keys, values, None, None, seqused_k, a.seqlen_q, seqlen_cache, a.softmax_scale,
-        a.causal, a.window_left, a.window_right, a.softcap,
-    )
-    if pad:
-        out = out[..., :hd]
+    out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, seqlen_cache,
+                        False)
     return (out, lse) if c.return_softmax_lse else out
 
 
@@ -601,14 +610,7 @@ flash_attn_with_kvcache.__doc__ = """
             1]. If the indices are not distinct, and k and v are provided, the values updated
             in the cache might come from any of the duplicate indices.
         cache_leftpad: must be None (left-padded caches are not implemented).
-        block_table: must be None (paged KV cache is not implemented).
-        softmax_scale: float. The scaling of QK^T before applying softmax.
-            Default to 1 / sqrt(headdim).
-        causal: bool. Whether to apply causal attention mask (e.g., for auto-regressive
-            modeling).
-        window_size: (left, right). If not (-1, -1), implements sliding window local
-            attention.
-        softcap: float. Anything > 0 activates softcapping attention.
+        block_table: must be None (paged KV cache is not implemented).""" + _SCORE_ARGS_DOC + """
         rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +

@@ -1,5 +1,6 @@
 """flash_attn_with_kvcache on CPU (the PyTorch path) against an independent float64
-implementation written in this file from the FlashAttention-2 semantics: the new k/v are written
+implementation from the FlashAttention-2 semantics (the cache update and the rotary embedding
+written here, the masked attention test_cpu_api.explicit_attention's): the new k/v are written
 in place into the cache at rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of entry
 cache_batch_idx[b] (k rotated first when rotary_cos/sin are given), and q attends to the first
 cache_seqlens[b] + seqlen_new keys of that entry, masks aligned bottom-right to that length.
@@ -11,13 +12,18 @@ implementation rotates in.
 
 import inspect
 import math
+import os
 import re
+import sys
 
 import pytest
 import torch
 
 import flash_attn
 from flash_attn import flash_attn_func, flash_attn_with_kvcache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cpu_api import explicit_attention  # noqa: E402  (the float64 masked attention)
 
 FN = "flash_attn_with_kvcache"
 F64 = torch.float64
@@ -115,26 +121,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
             vc[e, c:c + sn] = vn
         keys = torch.cat([k_cache[e, :c].double(), kn])
         vals = torch.cat([v_cache[e, :c].double(), vn])
-        L = keys.shape[0]
-        if L == 0:
+        if keys.shape[0] == 0:
             continue
-        keys = keys.repeat_interleave(h // hk, dim=1)
-        vals = vals.repeat_interleave(h // hk, dim=1)
-        s = torch.einsum("ihd,jhd->hij", qb, keys) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(sq).view(-1, 1) + (L - sq)
-        j = torch.arange(L).view(1, -1)
-        keep = torch.ones(sq, L, dtype=torch.bool)
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
-        s = s.masked_fill(~keep, -math.inf)
-        m = torch.logsumexp(s, dim=-1)  # (h, sq); -inf for rows with no key
-        p = torch.exp(s - m.unsqueeze(-1)).nan_to_num(0.0)
-        out[bi] = torch.einsum("hij,jhd->ihd", p, vals)
-        lse[bi] = torch.where(torch.isneginf(m), torch.full_like(m, math.inf), m)
+        o, m, _ = explicit_attention(qb[None], keys[None], vals[None], scale, False, left, right,
+                                     softcap)
+        out[bi], lse[bi] = o[0], m[0]
     return out, lse, kc, vc
 
 
