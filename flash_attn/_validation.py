@@ -700,6 +700,11 @@ def validate_kvcache(
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together (or both None)")
     if rotary_cos is not None:
+        if k is None:  # as FlashAttention-2: the rotation's positions are those of new rows
+            raise ValueError(
+                f"{fn}: rotary_cos and rotary_sin need the new k and v to append (rotary "
+                f"embedding is applied to q and k at the rows written to the cache)"
+            )
         for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             _check_tensor(fn, name, x)
             _check_same_device(fn, "q", q, name, x)
@@ -736,9 +741,8 @@ def validate_kvcache(
                                 seqlen_cache - seqlen_new + 1, lens_interval)
         if rotary_dim:
             # The last position rotated: the cache's length (plus the new rows or q's rows).
-            start = seqlen_cache if cache_seqlens is None else (
-                max(cache_seqlens.tolist(), default=0) if isinstance(cache_seqlens, Tensor)
-                else cache_seqlens)
+            start = (max(cache_seqlens.tolist(), default=0) if isinstance(cache_seqlens, Tensor)
+                     else cache_seqlens)
             local = causal or left >= 0 or right >= 0
             last = start + max(seqlen_new, q.shape[1] if local else 1) - 1
             if last >= rotary_cos.shape[0]:

@@ -536,17 +536,15 @@ def flash_attn_with_kvcache(
     if cache_batch_idx is not None:  # clamped: a bad index never reaches out of the cache
         slots = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
     first = c.cache_seqlens
-    if c.rotary_dim:
-        start = seqlen_cache if first is None else first
-        start = start if isinstance(start, int) else start.long().unsqueeze(1)
+    if c.rotary_dim:  # k, v and cache_seqlens are given (validated)
+        start = first if isinstance(first, int) else first.long().unsqueeze(1)
         local = a.causal or a.window_left >= 0 or a.window_right >= 0
         steps = torch.arange(a.seqlen_q if local else 1, device=q.device)
         q = _rotate(q, rotary_cos, rotary_sin, (start + steps).expand(batch, a.seqlen_q),
                     c.rotary_interleaved)
-        if k is not None:
-            pos = start + torch.arange(c.seqlen_new, device=q.device)
-            k = _rotate(k, rotary_cos, rotary_sin, pos.expand(batch, c.seqlen_new),
-                        c.rotary_interleaved)
+        pos = start + torch.arange(c.seqlen_new, device=q.device)
+        k = _rotate(k, rotary_cos, rotary_sin, pos.expand(batch, c.seqlen_new),
+                    c.rotary_interleaved)
     if k is not None:
         _write_rows(k_cache, v_cache, k, v, first, slots)
     if slots is None:
@@ -599,7 +597,8 @@ flash_attn_with_kvcache.__doc__ = """
         rotary_cos [optional]: (seqlen_ro, rotary_dim / 2), q's dtype or float32; rotary_dim
             <= headdim. A position past seqlen_ro is refused on CPU and on CUDA with
             FLASH_ATTN_CHECK_INPUTS=1; otherwise it reads the last row (never out of range).
-        rotary_sin [optional]: (seqlen_ro, rotary_dim / 2). Similar to rotary_cos.
+        rotary_sin [optional]: (seqlen_ro, rotary_dim / 2). Similar to rotary_cos. Both
+            need k and v (as in FlashAttention-2; without them a ValueError).
         cache_seqlens: int, or (batch_size,), dtype torch.int32. The sequence lengths of the
             KV cache; required with k and v. None (without k and v): every row of the cache.
             Lengths past seqlen_cache - seqlen_new never write or read outside the cache: the
