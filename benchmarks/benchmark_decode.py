@@ -7,7 +7,9 @@ tensors; SDPA (default backend choice, K/V expanded to every query head, as a mo
 GQA support would call it) alongside, and `flash_attn_with_kvcache` on the same keys held in a
 cache twice as long: it writes the step's seqlen_q new K/V rows at row seqlen_k - seqlen_q and
 attends to the first seqlen_k rows (default settings), with cache_seqlens an int and an int32
-tensor.
+tensor, and with cache_batch_idx selecting the batch's entries (every other one, in reverse) of
+a cache of 2 x batch entries: read in place, and, for comparison, gathered into a copy first
+(`k_cache[idx]`, what a kernel without a batch index needs).
 
 Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16, causal
 (bottom-right aligned, as in decoding). Each call is captured once in a CUDA graph and the
@@ -72,8 +74,9 @@ def main(argv=None) -> int:
           f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
           "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us "
-          "| with_kvcache, lengths tensor us | SDPA us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| with_kvcache, lengths tensor us | with_kvcache, cache_batch_idx us "
+          "| gathered copy us | SDPA us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
     torch.manual_seed(0)
@@ -106,6 +109,20 @@ def main(argv=None) -> int:
                         lambda: flash_attn.flash_attn_with_kvcache(
                             q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
                             causal=True), timer, args)
+                    # Batch b uses entry 2 * (batch - 1 - b) + 1 of a 2 x batch cache.
+                    idx = torch.arange(2 * args.batch - 1, 0, -2, dtype=torch.int32,
+                                       device="cuda")
+                    k_cache = k_cache.repeat_interleave(2, dim=0)
+                    v_cache = v_cache.repeat_interleave(2, dim=0)
+                    us["kvcache_idx"] = 1e3 * graphed_ms(
+                        lambda: flash_attn.flash_attn_with_kvcache(
+                            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                            cache_batch_idx=idx, causal=True), timer, args)
+                    us["kvcache_gather"] = 1e3 * graphed_ms(
+                        lambda: flash_attn.flash_attn_with_kvcache(
+                            q, k_cache[idx], v_cache[idx], k_new, v_new, cache_seqlens=lens,
+                            causal=True), timer, args)
+                    del k_cache, v_cache
                     qt = q.transpose(1, 2)
                     kt = k.transpose(1, 2).repeat_interleave(h // hk, dim=1)
                     vt = v.transpose(1, 2).repeat_interleave(h // hk, dim=1)
@@ -119,7 +136,8 @@ def main(argv=None) -> int:
                       f"{us['0'] / us['1']:.2f} | {us['unsplit']:.1f} | "
                       f"{us['unsplit'] / us['1']:.2f} | "
                       f"{kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | {us['kvcache']:.1f} | "
-                      f"{us['kvcache_t']:.1f} | {us['sdpa']:.1f} |", flush=True)
+                      f"{us['kvcache_t']:.1f} | {us['kvcache_idx']:.1f} | "
+                      f"{us['kvcache_gather']:.1f} | {us['sdpa']:.1f} |", flush=True)
     return 0
 
 

@@ -160,13 +160,13 @@ void check_cu_seqlens(const std::optional<at::Tensor>& t, const char* name, int6
 // Shape, varlen offsets, scale and mask: the part of the params forward and backward share.
 struct Problem {
     bool varlen;
-    int64_t batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, total_q, total_k;
+    int64_t batch, batch_k, seqlen_q, seqlen_k, nheads, nheads_k, headdim, total_q, total_k;
 };
 
 Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& cu_seqlens_q,
                  const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                 int64_t max_seqlen_k) {
+                 int64_t max_seqlen_k, const std::optional<at::Tensor>& kv_batch_idx = {}) {
     dtype_of(q);
     FA_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
     check_cuda_tensor(k, "k", q);
@@ -196,14 +196,27 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         // No sequence is longer than its tensor; the kernels clamp each one to max_seqlen.
         pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
         pb.seqlen_k = std::min(max_seqlen_k, pb.total_k);
+        pb.batch_k = 1;
+        FA_CHECK(!kv_batch_idx.has_value(),
+                 "flash_attn: kv_batch_idx is for batched K/V, not varlen (cu_seqlens) inputs");
     } else {
         FA_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
         pb.batch = q.size(0);
         pb.seqlen_q = q.size(1);
         pb.seqlen_k = k.size(1);
-        FA_CHECK(k.size(0) == pb.batch, "flash_attn: q and k batch sizes differ");
+        pb.batch_k = k.size(0);
+        if (kv_batch_idx.has_value()) {
+            const at::Tensor& idx = *kv_batch_idx;
+            FA_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 1 && idx.is_contiguous() &&
+                         idx.numel() == pb.batch && idx.device() == q.device(),
+                     "flash_attn: kv_batch_idx must be a contiguous int32 tensor of shape "
+                     "(batch,) on q's device");
+            FA_CHECK(pb.batch_k > 0, "flash_attn: kv_batch_idx needs k with at least one entry");
+        } else {
+            FA_CHECK(pb.batch_k == pb.batch, "flash_attn: q and k batch sizes differ");
+        }
         pb.total_q = pb.batch * pb.seqlen_q;
-        pb.total_k = pb.batch * pb.seqlen_k;
+        pb.total_k = pb.batch_k * pb.seqlen_k;
     }
     FA_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31),
              "flash_attn: more than 2^31 rows are not supported");
@@ -221,6 +234,7 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
     FA_CHECK(window_left >= -1 && window_right >= -1,
              "flash_attn: window_size entries must be >= -1");
     s.batch = pb.batch;
+    s.batch_k = pb.batch_k;
     s.nheads = pb.nheads;
     s.nheads_k = pb.nheads_k;
     s.headdim = pb.headdim;
@@ -281,9 +295,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             std::optional<at::Tensor> cu_seqlens_k,
                             std::optional<at::Tensor> seqused_k, int64_t max_seqlen_q,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
-                            int64_t window_left, int64_t window_right, double softcap) {
-    const Problem pb =
-        describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+                            int64_t window_left, int64_t window_right, double softcap,
+                            std::optional<at::Tensor> kv_batch_idx) {
+    const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, kv_batch_idx);
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim);
@@ -328,6 +343,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                  "q's device");
         p.seqused_k = seqused_k->data_ptr<int>();
     }
+    if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -477,7 +493,12 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention kernels (CUDA)";
-    m.def("fwd", &fwd, "attention forward");
+    namespace py = pybind11;
+    m.def("fwd", &fwd, "attention forward", py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("out"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
+          py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
+          py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
+          py::arg("softcap"), py::arg("kv_batch_idx") = py::none());
     m.def("bwd", &bwd, "attention backward");
     m.def("build_info", &build_info, "what this build compiled");
 }

@@ -660,9 +660,12 @@ def validate_kvcache(
         fn, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, varlen=False, same_batch=False
     )
     batch, seqlen_cache = q.shape[0], k_cache.shape[1]
-    if k_cache.shape[0] < batch:
+    # With cache_batch_idx any entry may serve any batch: one entry is enough.
+    need = batch if cache_batch_idx is None else min(batch, 1)
+    if k_cache.shape[0] < need:
         raise ValueError(
-            f"{fn}: k_cache must hold at least batch = {batch} sequences (dim 0), got "
+            f"{fn}: k_cache must hold at least {need} sequences (dim 0: batch = {batch}"
+            f"{'' if cache_batch_idx is None else ' with cache_batch_idx'}), got "
             f"{tuple(k_cache.shape)}"
         )
     if (k is None) != (v is None):

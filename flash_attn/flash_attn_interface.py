@@ -56,6 +56,7 @@ def _forward(
     max_seqlen_q: int,
     max_seqlen_k: int,
     deterministic: bool,
+    kv_batch_idx: Optional[Tensor] = None,
 ):
     """(out, softmax_lse) of the forward op, on inputs made kernel-ready: a last dim with
     stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back)."""
@@ -67,6 +68,7 @@ def _forward(
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
+        kv_batch_idx,
     )
     return (out[..., :hd] if pad else out), lse
 
@@ -547,10 +549,9 @@ def flash_attn_with_kvcache(
                     c.rotary_interleaved)
     if k is not None:
         _write_rows(k_cache, v_cache, k, v, first, slots)
-    if slots is None:
-        keys, values = k_cache[:batch], v_cache[:batch]
-    else:
-        keys, values = k_cache[slots], v_cache[slots]
+    # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx).
+    keys, values = (k_cache[:batch], v_cache[:batch]) if slots is None else (k_cache, v_cache)
+    kv_batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
     seqused_k = None
     if isinstance(first, int):
         seqused_k = torch.full((batch,), first + c.seqlen_new, dtype=torch.int32,
@@ -558,7 +559,7 @@ def flash_attn_with_kvcache(
     elif first is not None:
         seqused_k = (first + c.seqlen_new).clamp(0, seqlen_cache).to(torch.int32)
     out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, seqlen_cache,
-                        False)
+                        False, kv_batch_idx)
     return (out, lse) if c.return_softmax_lse else out
 
 
@@ -581,15 +582,15 @@ flash_attn_with_kvcache.__doc__ = """
     that length.
 """ + _GQA_DOC + """
 
-    The cache is read in place where cache_batch_idx is None; with cache_batch_idx the
-    selected entries are gathered into a copy first (a cost proportional to the cache). This
-    is an inference API: a backward pass through it raises NotImplementedError whenever
-    cache_seqlens is given (the backward kernels do not take the cache's lengths).
+    The cache is read in place, with or without cache_batch_idx. This is an inference API:
+    a backward pass through it raises NotImplementedError whenever cache_seqlens is given
+    (the backward kernels do not take the cache's lengths).
 
     Arguments:
         q: (batch_size, seqlen, nheads, headdim)
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), batch_size_cache >=
-            batch_size (a paged cache, with block_table, is not implemented).
+            batch_size without cache_batch_idx (a paged cache, with block_table, is not
+            implemented).
         v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim)
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, we concatenate
             k with k_cache, starting at the indices specified by cache_seqlens.

@@ -173,6 +173,7 @@ def _fwd_op(
     window_right: int,
     softcap: float,
     deterministic: bool = False,
+    kv_batch_idx: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -181,11 +182,21 @@ def _fwd_op(
 
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-             softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+             softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
+             kv_batch_idx=None):
+    if kv_batch_idx is not None:
+        k, v = _gather_kv(k, v, kv_batch_idx)
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap,
     )
+
+
+def _gather_kv(k: Tensor, v: Tensor, kv_batch_idx: Tensor) -> Tuple[Tensor, Tensor]:
+    """K/V entries kv_batch_idx[b] for each query batch b, clamped into K's batch (as the
+    kernels read them)."""
+    idx = kv_batch_idx.long().clamp(0, k.shape[0] - 1)
+    return k[idx], v[idx]
 
 
 def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -198,21 +209,23 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 
 @_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
+              kv_batch_idx=None):
     if q.numel() == 0 or k.numel() == 0:
         return _empty_forward(q, cu_seqlens_q)
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
     out, lse = ext.fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap,
+        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
     )
     return out, lse
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, deterministic=False):
+              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
+              kv_batch_idx=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -333,9 +346,10 @@ def flash_attn_bwd(
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-     softmax_scale, causal, window_left, window_right, softcap, deterministic) = inputs
+     softmax_scale, causal, window_left, window_right, softcap, deterministic,
+     kv_batch_idx) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx)
     ctx.has_seqused_k = seqused_k is not None
     ctx.max_seqlen_q = max_seqlen_q
     ctx.max_seqlen_k = max_seqlen_k
@@ -350,7 +364,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx = ctx.saved_tensors
     if ctx.has_seqused_k:
         raise NotImplementedError(
             "flash_attn: the backward pass does not support seqused_k (forward only, see "
@@ -360,12 +374,17 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
         dout = dout.contiguous()
+    keys, values = (k, v) if kv_batch_idx is None else _gather_kv(k, v, kv_batch_idx)
     dq, dk, dv = flash_attn_bwd(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+        dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
         ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left, ctx.window_right,
         ctx.softcap, ctx.deterministic,
     )
-    return (dq, dk, dv) + (None,) * 11
+    if kv_batch_idx is not None:  # entries read by several query batches sum their gradients
+        idx = kv_batch_idx.long().clamp(0, k.shape[0] - 1)
+        dk = torch.zeros_like(k).index_add_(0, idx, dk)
+        dv = torch.zeros_like(v).index_add_(0, idx, dv)
+    return (dq, dk, dv) + (None,) * 12
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -401,6 +420,7 @@ def flash_attn_fwd(
     window_right: int,
     softcap: float,
     deterministic: bool = False,
+    kv_batch_idx: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
     not differentiable).
@@ -412,9 +432,11 @@ def flash_attn_fwd(
     the same kernels and the same backward formula.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, window_left, window_right, softcap, deterministic)
+            softmax_scale, causal, window_left, window_right, softcap, deterministic,
+            kv_batch_idx)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
-                                                             cu_seqlens_k, seqused_k):
+                                                             cu_seqlens_k, seqused_k,
+                                                             kv_batch_idx):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttnFunc.apply(*args)

@@ -267,12 +267,13 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const int rows_q = varlen ? p.total_q : p.seqlen_q;
     const int rows_k = varlen ? p.total_k : p.seqlen_k;
     const int batch = varlen ? 1 : p.batch;
-    auto gmem = [&](const void* ptr, int rows, int heads, TensorStrides const& s) {
+    const int batch_k = varlen ? 1 : p.batch_k;
+    auto gmem = [&](const void* ptr, int rows, int heads, int entries, TensorStrides const& s) {
         return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                           make_shape(rows, p.headdim, heads, batch),
+                           make_shape(rows, p.headdim, heads, entries),
                            make_stride(tma_stride(s.row, rows, p.headdim), _1{},
                                        tma_stride(s.head, heads, p.headdim),
-                                       tma_stride(s.batch, batch, p.headdim)));
+                                       tma_stride(s.batch, entries, p.headdim)));
     };
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;
@@ -324,16 +325,16 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     }
     const Sm90FwdArgs<Traits> args{
         p,
-        make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, p.q_stride),
+        make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, batch, p.q_stride),
                       typename Traits::SmemLayoutQ{}, Shape<BM, D>{}, _1{}),
-        Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, p.k_stride)),
-        Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, p.v_stride)),
-        make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, p.o_stride),
+        Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride)),
+        Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride)),
+        make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, batch, p.o_stride),
                       typename Traits::SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}),
         rows_q,
         rows_k,
         batch,
-        batch,
+        batch_k,
         sched};
 
     const Sm90Launch<Traits> launch(std::max(grid, 1), stream);

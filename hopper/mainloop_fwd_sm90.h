@@ -123,10 +123,12 @@ struct Sm90FwdMainloop {
                       (varlen ? seq.row_q : 0) + q_shift),
             Shape<BM, D>{}, make_coord(m_block, _0{}));
         Tensor gK = local_tile(
-            head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
+            head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, seq.bidb_k,
+                      varlen ? seq.row_k : 0),
             Shape<BN, D>{}, make_coord(_, _0{}));
         Tensor gV = local_tile(
-            head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, bidb, varlen ? seq.row_k : 0),
+            head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, seq.bidb_k,
+                      varlen ? seq.row_k : 0),
             Shape<BN, D>{}, make_coord(_, _0{}));
 
         // In a cluster each K/V tile is loaded in kCluster slices. Where the cluster's CTAs

@@ -468,9 +468,13 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     class FakeExt:
         @staticmethod
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                kv_batch_idx=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                causal=causal, window=(window_left, window_right))
+                                causal=causal, window=(window_left, window_right),
+                                kv_batch_idx=kv_batch_idx)
+            if kv_batch_idx is not None:
+                k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             return list(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap))
@@ -494,7 +498,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
-                                window=(2, 0))
+                                window=(2, 0), kv_batch_idx=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
@@ -502,6 +506,15 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert calls["bwd"] == dict(dq=None, deterministic=False)
+    # kv_batch_idx is handed through last: query batch b reads K/V entry kv_batch_idx[b]
+    qb, kb, vb = torch.randn(2, 3, 4, 8), torch.randn(3, 5, 2, 8), torch.randn(3, 5, 2, 8)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    out, lse = ops._fwd_cuda(qb, kb, vb, None, None, None, 3, 5, 0.4, False, -1, -1, 0.0,
+                             False, idx)
+    ref_out, ref_lse = reference.attention_forward_ref(qb, kb[[2, 0]], vb[[2, 0]], None, None,
+                                                       None, 3, 5, 0.4)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    assert calls["fwd"]["kv_batch_idx"] is idx
     # empty inputs never reach the extension
     calls.clear()
     e_out, e_lse = ops._fwd_cuda(q[:0], k, v, cu_q, cu_k, None, 0, 9, 0.4, False, -1, -1, 0.0)

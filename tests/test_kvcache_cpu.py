@@ -468,6 +468,35 @@ def test_cache_batch_idx_without_new_kv():
                cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32))
 
 
+def test_cache_batch_idx_fewer_entries_than_batches():
+    """Several batches may read one entry: 3 batches over a 2-entry cache."""
+    torch.manual_seed(18)
+    q, k_cache, v_cache, _, _ = make(b=3, sq=2, sn=0, sc=8, batch_cache=2)
+    check_call(q, k_cache, v_cache, cache_seqlens=seqlens(8, 3, 6), causal=True,
+               cache_batch_idx=torch.tensor([1, 1, 0], dtype=torch.int32))
+
+
+def test_cache_batch_idx_backward():
+    """Without cache_seqlens the call is differentiable; the gradient of an entry read by
+    several batches is the sum of theirs (autograd through an explicit gather)."""
+    torch.manual_seed(19)
+    q, k_cache, v_cache, _, _ = make(b=3, sq=3, sn=0, sc=5, batch_cache=3)
+    idx = torch.tensor([2, 0, 2], dtype=torch.int32)
+    leaves = [x.clone().requires_grad_() for x in (q, k_cache, v_cache)]
+    out = flash_attn_with_kvcache(*leaves, cache_batch_idx=idx, causal=True)
+    dout = grid_rand(*out.shape)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k_cache, v_cache)]
+    sel = idx.long()
+    out_ref = flash_attn_func(ref_leaves[0], ref_leaves[1][sel], ref_leaves[2][sel],
+                              causal=True)
+    grads_ref = torch.autograd.grad(out_ref, ref_leaves, dout)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, **TOL)
+    assert grads[1][1].abs().sum() == 0  # entry 1 is read by no batch
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------

@@ -269,6 +269,50 @@ def test_cache_batch_idx():
                       cache_batch_idx=idx, **rotary_kwargs("neox", sc, d, dt))
 
 
+@pytest.mark.parametrize("case", ["decode_split", "prefill"])
+def test_cache_batch_idx_shared_entries(case, monkeypatch):
+    """Several batches read one cache entry in place (4 batches over 2 entries, indices
+    [1, 1, 0, 1]; fewer entries than batches), without new k/v: decode over a long cache (the
+    keys split over SMs) and a causal prefill chunk, each batch with its own cache_seqlens."""
+    monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(5)
+    dt, d, h, hk = torch.bfloat16, 128, 8, 2
+    if case == "decode_split":
+        sq, sc, lens = 1, 4096, [4096, 3000, 17, 1]
+    else:
+        sq, sc, lens = 64, 320, [320, 64, 200, 99]
+    q, k_cache, v_cache, _, _ = make_inputs(dt, d, 4, sq, 0, sc, h, hk, None, batch_cache=2)
+    idx = torch.tensor([1, 1, 0, 1], dtype=torch.int32, device="cuda")
+    check_against_cpu(q, k_cache, v_cache, cache_batch_idx=idx, causal=case == "prefill",
+                      cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+
+
+def test_cache_batch_idx_backward():
+    """Without cache_seqlens the call is differentiable: with cache_batch_idx the backward
+    gathers the entries and sums the gradients of entries read by several batches (here
+    [2, 0, 2]), as autograd through an explicit gather does."""
+    torch.manual_seed(6)
+    dt, d = torch.bfloat16, 64
+    q = torch.randn(3, 40, 4, d, dtype=dt, device="cuda", requires_grad=True)
+    kc = torch.randn(3, 72, 2, d, dtype=dt, device="cuda", requires_grad=True)
+    vc = torch.randn(3, 72, 2, d, dtype=dt, device="cuda", requires_grad=True)
+    idx = torch.tensor([2, 0, 2], dtype=torch.int32, device="cuda")
+    dout = torch.randn(3, 40, 4, d, dtype=dt, device="cuda")
+    out = flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=idx, causal=True)
+    grads = torch.autograd.grad(out, (q, kc, vc), dout)
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, kc, vc))
+    sel = idx.long()
+    out_ref, _ = attention_ref(qr, kr[sel], vr[sel], causal=True,
+                               compute_dtype=torch.float64)
+    grads_ref = torch.autograd.grad(out_ref, (qr, kr, vr), dout.double())
+    out_pt, _ = attention_ref(q, kc[sel], vc[sel], causal=True, compute_dtype=dt)
+    grads_pt = torch.autograd.grad(out_pt, (q, kc, vc), dout)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    for name, g, g_ref, g_pt in zip(("dq", "dk_cache", "dv_cache"), grads, grads_ref, grads_pt):
+        assert g.shape == g_ref.shape, (name, g.shape)
+        assert_accuracy(name, g, g_ref, g_pt, 3)
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["full", "window"])
 def test_rotary_query_positions(window):
     """A non-causal chunk of 16 queries with rotary: without a window every q row is rotated at

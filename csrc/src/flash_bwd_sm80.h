@@ -135,10 +135,10 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     const T* q_ptr = static_cast<const T*>(p.q) + seq.q_offset(p.q_stride, p, bidb, 0, bidh);
     const T* do_ptr = static_cast<const T*>(p.dout) + seq.q_offset(p.do_stride, p, bidb, 0, bidh);
-    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, bidb, col0, bidh_k);
-    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, bidb, col0, bidh_k);
-    T* dk_ptr = static_cast<T*>(p.dk) + seq.k_offset(p.dk_stride, p, bidb, col0, bidh);
-    T* dv_ptr = static_cast<T*>(p.dv) + seq.k_offset(p.dv_stride, p, bidb, col0, bidh);
+    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, col0, bidh_k);
+    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, col0, bidh_k);
+    T* dk_ptr = static_cast<T*>(p.dk) + seq.k_offset(p.dk_stride, p, col0, bidh);
+    T* dv_ptr = static_cast<T*>(p.dv) + seq.k_offset(p.dv_stride, p, col0, bidh);
     const float* lse_ptr = p.lse + seq.lse_offset(p, bidb, bidh);
     const float* d_ptr = p.softmax_d + seq.lse_offset(p, bidb, bidh);
     float* dq_acc_ptr = p.dq_accum + seq.lse_offset(p, bidb, bidh) * kHeadDim;

@@ -64,8 +64,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     mask.key_block_range(row0, kBlockM, kBlockN, n_first, n_last);
 
     const T* q_ptr = static_cast<const T*>(p.q) + seq.q_offset(p.q_stride, p, bidb, row0, bidh);
-    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, bidb, 0, bidh_k);
-    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, bidb, 0, bidh_k);
+    const T* k_ptr = static_cast<const T*>(p.k) + seq.k_offset(p.k_stride, p, 0, bidh_k);
+    const T* v_ptr = static_cast<const T*>(p.v) + seq.k_offset(p.v_stride, p, 0, bidh_k);
     T* o_ptr = static_cast<T*>(p.o) + seq.q_offset(p.o_stride, p, bidb, row0, bidh);
 
     Tensor gQ =

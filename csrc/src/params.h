@@ -34,6 +34,10 @@ struct AttnShape {
     const int* cu_seqlens_q = nullptr;  // varlen when non-null, (batch + 1,)
     const int* cu_seqlens_k = nullptr;
     const int* seqused_k = nullptr;  // (batch,), optional
+    // Forward only, batched only, optional: query batch b reads entry kv_batch_idx[b] of K and
+    // V, which then have batch_k entries (a KV cache indexed by cache_batch_idx).
+    const int* kv_batch_idx = nullptr;
+    int batch_k = 0;  // entries of K and V (batched); batch without kv_batch_idx
 
     // Scores: s = q.k * scale; with softcap > 0: s = softcap * tanh(q.k * scale / softcap).
     // The kernels compute exp2(t * scale_log2 - m) with t = q.k (no softcap) or

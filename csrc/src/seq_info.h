@@ -13,8 +13,10 @@ struct SeqInfo {
     int seqlen_k;
     index_t row_q;  // first row of this sequence in q's row space (batched: bidb * seqlen_q)
     index_t row_k;
+    int bidb_k;  // the K/V batch entry (kv_batch_idx, clamped into K's batch)
 
     __device__ SeqInfo(const AttnShape& p, int bidb) {
+        bidb_k = p.kv_batch_idx == nullptr ? bidb : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
         if (p.is_varlen()) {
             int q0 = min(max(p.cu_seqlens_q[bidb], 0), p.total_q);
             int q1 = min(max(p.cu_seqlens_q[bidb + 1], q0), p.total_q);
@@ -26,7 +28,7 @@ struct SeqInfo {
             seqlen_k = k1 - k0;
         } else {
             row_q = index_t(bidb) * p.seqlen_q;
-            row_k = index_t(bidb) * p.seqlen_k;
+            row_k = index_t(bidb_k) * p.seqlen_k;
             seqlen_q = p.seqlen_q;
             seqlen_k = p.seqlen_k;
         }
@@ -43,9 +45,9 @@ struct SeqInfo {
                                 int head) const {
         return offset(s, p, bidb, row_q, row, head);
     }
-    __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int bidb, int row,
+    __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int row,
                                 int head) const {
-        return offset(s, p, bidb, row_k, row, head);
+        return offset(s, p, bidb_k, row_k, row, head);
     }
 
     // lse / softmax_d: batched (b, h, sq), varlen (h, total_q).
