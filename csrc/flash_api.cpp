@@ -14,6 +14,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kvcache_update.h"
 #include "params.h"
 #include "registry.h"
 #include "tile_config.h"
@@ -467,6 +468,122 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     return {dq, dk, dv};
 }
 
+flash::Strides4 strides4(const at::Tensor& t) {
+    return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// flash_attn_with_kvcache's update (csrc/src/kvcache_update.h): k/v written into the caches in
+// place, q rotated into q_rot (given exactly when the rotary tables are), and the attention's
+// seqused_k returned. Any strides; the Python layer validates values and shapes first.
+at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> q_rot,
+                          const at::Tensor& q, std::optional<at::Tensor> k,
+                          std::optional<at::Tensor> v, std::optional<at::Tensor> cache_seqlens,
+                          int64_t seqlen_offset, std::optional<at::Tensor> cache_batch_idx,
+                          std::optional<at::Tensor> rotary_cos,
+                          std::optional<at::Tensor> rotary_sin, bool rotary_interleaved,
+                          bool q_rows_advance) {
+    const Dtype dtype = dtype_of(q);
+    FA_CHECK(q.is_cuda() && q.dim() == 4, "flash_attn: q must be a 4-D CUDA tensor");
+    check_cuda_tensor(k_cache, "k_cache", q);
+    check_cuda_tensor(v_cache, "v_cache", q);
+    FA_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                 k_cache.size(3) == q.size(3) && k_cache.size(2) > 0 &&
+                 q.size(2) % k_cache.size(2) == 0,
+             "flash_attn: k_cache and v_cache must have shape (batch_cache, seqlen_cache, "
+             "nheads_k, headdim) with q's headdim and nheads_k dividing q's nheads");
+    const int64_t batch = q.size(0);
+    auto check_index = [&](const std::optional<at::Tensor>& t, const char* name) {
+        FA_CHECK(!t.has_value() || (t->scalar_type() == at::kInt && t->dim() == 1 &&
+                                    t->is_contiguous() && t->numel() == batch &&
+                                    t->device() == q.device()),
+                 "flash_attn: ", name,
+                 " must be a contiguous int32 tensor of shape (batch,) on q's device");
+    };
+    check_index(cache_seqlens, "cache_seqlens");
+    check_index(cache_batch_idx, "cache_batch_idx");
+    FA_CHECK(cache_batch_idx.has_value() ? (batch == 0 || k_cache.size(0) > 0)
+                                         : k_cache.size(0) >= batch,
+             "flash_attn: k_cache holds ", k_cache.size(0), " sequences for batch ", batch);
+    FA_CHECK(k.has_value() == v.has_value(), "flash_attn: k and v must be given together");
+    int64_t seqlen_new = 0;
+    if (k.has_value()) {
+        check_cuda_tensor(*k, "k", q);
+        check_cuda_tensor(*v, "v", q);
+        FA_CHECK(k->dim() == 4 && k->sizes() == v->sizes() && k->size(0) == batch &&
+                     k->size(2) == k_cache.size(2) && k->size(3) == q.size(3),
+                 "flash_attn: k and v must have shape (batch, seqlen_new, nheads_k, headdim)");
+        seqlen_new = k->size(1);
+    }
+    const bool rotary = rotary_cos.has_value();
+    FA_CHECK(rotary == rotary_sin.has_value() && rotary == q_rot.has_value() &&
+                 (!rotary || k.has_value()),
+             "flash_attn: rotary_cos, rotary_sin and q_rot go together, and need k and v");
+    at::Tensor cos, sin;
+    if (rotary) {
+        check_cuda_tensor(*q_rot, "q_rot", q);
+        FA_CHECK(q_rot->sizes() == q.sizes(), "flash_attn: q_rot must have q's shape");
+        cos = rotary_cos->contiguous();
+        sin = rotary_sin->contiguous();
+        FA_CHECK(cos.device() == q.device() && sin.device() == q.device() &&
+                     cos.scalar_type() == sin.scalar_type() &&
+                     (cos.scalar_type() == q.scalar_type() || cos.scalar_type() == at::kFloat),
+                 "flash_attn: rotary_cos and rotary_sin must be on q's device, with q's dtype "
+                 "or float32");
+        FA_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) > 0 &&
+                     cos.size(1) > 0 && 2 * cos.size(1) <= q.size(3),
+                 "flash_attn: rotary_cos and rotary_sin must have shape (seqlen_ro, "
+                 "rotary_dim / 2) with 0 < rotary_dim <= headdim");
+    }
+    const int64_t most = std::numeric_limits<int32_t>::max();
+    FA_CHECK(q.size(1) <= most && k_cache.size(0) <= most && k_cache.size(1) <= most &&
+                 seqlen_new <= most && (!rotary || cos.size(0) <= most) &&
+                 seqlen_offset >= -most && seqlen_offset <= most,
+             "flash_attn: sizes and cache_seqlens must fit in int32");
+
+    at::cuda::CUDAGuard guard(q.device());
+    at::Tensor seqused_k = at::empty({batch}, q.options().dtype(at::kInt));
+    if (batch == 0) return seqused_k;
+    flash::KVCacheUpdateParams p;
+    p.k_cache = k_cache.data_ptr();
+    p.v_cache = v_cache.data_ptr();
+    p.k_cache_stride = strides4(k_cache);
+    p.v_cache_stride = strides4(v_cache);
+    if (k.has_value()) {
+        p.k = k->data_ptr();
+        p.v = v->data_ptr();
+        p.k_stride = strides4(*k);
+        p.v_stride = strides4(*v);
+    }
+    p.q = q.data_ptr();
+    p.q_stride = strides4(q);
+    if (rotary) {
+        p.q_rot = q_rot->data_ptr();
+        p.q_rot_stride = strides4(*q_rot);
+        p.rotary_cos = cos.data_ptr();
+        p.rotary_sin = sin.data_ptr();
+        p.table_fp32 = cos.scalar_type() == at::kFloat;
+        p.rotary_dim = int(2 * cos.size(1));
+        p.seqlen_ro = int(cos.size(0));
+    }
+    p.cache_seqlens = cache_seqlens.has_value() ? cache_seqlens->data_ptr<int>() : nullptr;
+    p.seqlen_offset = int(seqlen_offset);
+    p.cache_batch_idx = cache_batch_idx.has_value() ? cache_batch_idx->data_ptr<int>() : nullptr;
+    p.interleaved = rotary_interleaved;
+    p.q_rows_advance = q_rows_advance;
+    p.batch = int(batch);
+    p.batch_cache = int(k_cache.size(0));
+    p.seqlen_cache = int(k_cache.size(1));
+    p.seqlen_new = int(seqlen_new);
+    p.seqlen_q = int(q.size(1));
+    p.nheads = int(q.size(2));
+    p.nheads_k = int(k_cache.size(2));
+    p.headdim = int(q.size(3));
+    p.seqused_k = seqused_k.data_ptr<int>();
+    flash::run_kvcache_update(p, dtype, at::cuda::getCurrentCUDAStream());
+    check_launch();
+    return seqused_k;
+}
+
 pybind11::dict build_info() {
     pybind11::dict info;
     pybind11::list kernels;
@@ -500,5 +617,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none());
     m.def("bwd", &bwd, "attention backward");
+    m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update");
     m.def("build_info", &build_info, "what this build compiled");
 }

@@ -459,52 +459,6 @@ flash_attn_varlen_func.__doc__ = (
 )
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of x (batch, seqlen, nheads, headdim)'s first 2 * cos.shape[1] dims at
-    positions pos (batch, seqlen), computed in float32 (float64 for float64 x)."""
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rd = 2 * cos.shape[1]
-    pos = pos.clamp(0, cos.shape[0] - 1)  # a bad cache_seqlens never indexes out of range
-    c = cos.to(cdt)[pos].unsqueeze(2)  # (batch, seqlen, 1, rd / 2)
-    s = sin.to(cdt)[pos].unsqueeze(2)
-    xr = x[..., :rd].to(cdt)
-    if interleaved:
-        x0, x1 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
-
-
-def _write_rows(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, first,
-                slots: Optional[Tensor]) -> None:
-    """k_cache[slot b, first[b] + j] = k[b, j] in place (v alike), for the rows inside the
-    cache. `first`: an int (validated in range) or an int32 (batch,) tensor; `slots`: the cache
-    entries (cache_batch_idx), or None for entries 0..batch-1.
-
-    From a tensor, rows past the cache's end (a cache_seqlens too large) are not written: their
-    indices wrap around (seqlen_new <= seqlen_cache keeps them distinct from the written ones)
-    and write the values already there, so no index is out of range and nothing needs a
-    device sync."""
-    batch, seqlen_new = k.shape[0], k.shape[1]
-    if isinstance(first, int) and slots is None:
-        k_cache[:batch, first:first + seqlen_new] = k
-        v_cache[:batch, first:first + seqlen_new] = v
-        return
-    seqlen_cache = k_cache.shape[1]
-    pos = torch.arange(seqlen_new, device=k.device) + (
-        first if isinstance(first, int) else first.long().unsqueeze(1))
-    rows = torch.remainder(pos, seqlen_cache).expand(batch, seqlen_new)
-    inside = (rows == pos)[..., None, None]  # 0 <= pos < seqlen_cache
-    if slots is None:
-        seqs = torch.arange(batch, device=k.device).unsqueeze(1).expand_as(rows)
-    else:
-        seqs = slots.unsqueeze(1).expand_as(rows)
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        cache[seqs, rows] = torch.where(inside, new, cache[seqs, rows])
-
-
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -533,32 +487,23 @@ def flash_attn_with_kvcache(
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
     )
     a = c.attn
-    batch, seqlen_cache = a.batch, a.seqlen_k
-    slots = None
-    if cache_batch_idx is not None:  # clamped: a bad index never reaches out of the cache
-        slots = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)
     first = c.cache_seqlens
-    if c.rotary_dim:  # k, v and cache_seqlens are given (validated)
-        start = first if isinstance(first, int) else first.long().unsqueeze(1)
-        local = a.causal or a.window_left >= 0 or a.window_right >= 0
-        steps = torch.arange(a.seqlen_q if local else 1, device=q.device)
-        q = _rotate(q, rotary_cos, rotary_sin, (start + steps).expand(batch, a.seqlen_q),
-                    c.rotary_interleaved)
-        pos = start + torch.arange(c.seqlen_new, device=q.device)
-        k = _rotate(k, rotary_cos, rotary_sin, pos.expand(batch, c.seqlen_new),
-                    c.rotary_interleaved)
-    if k is not None:
-        _write_rows(k_cache, v_cache, k, v, first, slots)
-    # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx).
-    keys, values = (k_cache[:batch], v_cache[:batch]) if slots is None else (k_cache, v_cache)
-    kv_batch_idx = None if cache_batch_idx is None else cache_batch_idx.contiguous()
     seqused_k = None
-    if isinstance(first, int):
-        seqused_k = torch.full((batch,), first + c.seqlen_new, dtype=torch.int32,
-                               device=q.device)
-    elif first is not None:
-        seqused_k = (first + c.seqlen_new).clamp(0, seqlen_cache).to(torch.int32)
-    out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, seqlen_cache,
+    if first is not None:  # one kernel: the new rows written, q rotated, the lengths
+        q_rot = torch.empty_like(q) if c.rotary_dim else None
+        local = a.causal or a.window_left >= 0 or a.window_right >= 0
+        seqused_k = ops.kvcache_update(
+            k_cache, v_cache, q_rot, q, k, v, first if isinstance(first, Tensor) else None,
+            first if isinstance(first, int) else 0, cache_batch_idx, rotary_cos, rotary_sin,
+            c.rotary_interleaved, local,
+        )
+        q = q if q_rot is None else q_rot
+    # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx).
+    if cache_batch_idx is None:
+        keys, values, kv_batch_idx = k_cache[:a.batch], v_cache[:a.batch], None
+    else:
+        keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx.contiguous()
+    out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
                         False, kv_batch_idx)
     return (out, lse) if c.return_softmax_lse else out
 
@@ -575,7 +520,8 @@ flash_attn_with_kvcache.__doc__ = """
     and rotary_sin at indices cache_seqlens, cache_seqlens + 1, etc. If not causal and not
     local, the query q will be rotated by rotary_cos and rotary_sin at indices cache_seqlens
     only (i.e. we consider all tokens in q to be at position cache_seqlens). The rotation is
-    computed in float32 by PyTorch ops before the kernel runs.
+    computed in float32, on CUDA by one kernel that also writes the new rows into the cache,
+    before the attention runs.
 
     The attention of batch entry b reads the first cache_seqlens[b] + seqlen_new rows of its
     cache entry (after the update); the causal mask and the window are aligned bottom-right to

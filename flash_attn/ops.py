@@ -2,6 +2,7 @@
 
 * ``torch.ops.flash_attn._fwd`` -> ``(out, softmax_lse)``
 * ``torch.ops.flash_attn._bwd`` -> ``(dq, dk, dv)``
+* ``torch.ops.flash_attn._kvcache_update`` -> ``seqused_k`` (writes the caches and ``q_rot``)
 
 Device implementations: CUDA calls the extension ``flash_attn._C`` (imported lazily, so that
 this module imports without it); CPU runs :mod:`flash_attn.reference`. Both ops have fake
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from . import reference
 
-__all__ = ["flash_attn_fwd", "flash_attn_bwd", "load_extension"]
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension"]
 
 _EXT = None
 
@@ -441,3 +442,75 @@ def flash_attn_fwd(
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttnFunc.apply(*args)
     return _fwd_impl(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache's cache update
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_attn::_kvcache_update",
+                         mutates_args=("k_cache", "v_cache", "q_rot"))
+def _kvcache_update_op(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q_rot: Optional[Tensor],
+    q: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    seqlen_offset: int,
+    cache_batch_idx: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    rotary_interleaved: bool,
+    q_rows_advance: bool,
+) -> Tensor:
+    raise NotImplementedError(
+        f"flash_attn::_kvcache_update has no implementation for device {q.device} (CUDA and "
+        f"CPU only)"
+    )
+
+
+@_kvcache_update_op.register_kernel("cpu")
+def _kvcache_update_cpu(*args: Any) -> Tensor:
+    return reference.kvcache_update_ref(*args)
+
+
+@_kvcache_update_op.register_kernel("cuda")
+def _kvcache_update_cuda(*args: Any) -> Tensor:
+    return load_extension().kvcache_update(*args)
+
+
+@_kvcache_update_op.register_fake
+def _kvcache_update_fake(k_cache, v_cache, q_rot, q, *args):
+    return q.new_empty((q.shape[0],), dtype=torch.int32)
+
+
+def kvcache_update(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q_rot: Optional[Tensor],
+    q: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    seqlen_offset: int,
+    cache_batch_idx: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    rotary_interleaved: bool,
+    q_rows_advance: bool,
+) -> Tensor:
+    """flash_attn_with_kvcache's cache update (:func:`flash_attn.reference.kvcache_update_ref`
+    states it): k/v written into the caches in place (k rotated), q rotated into q_rot, and
+    ``seqused_k`` returned; on CUDA one kernel launch. The custom op
+    ``torch.ops.flash_attn._kvcache_update`` while tracing or when :func:`_direct_call_ok` says
+    no, else its kernel for q's device directly. Not differentiable."""
+    args = (k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
+            rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance)
+    if torch.compiler.is_compiling() or not _direct_call_ok(
+            q, k_cache, v_cache, q_rot, k, v, cache_seqlens, cache_batch_idx, rotary_cos,
+            rotary_sin):
+        return _kvcache_update_op(*args)
+    return _kvcache_update_cuda(*args) if q.is_cuda else _kvcache_update_cpu(*args)

@@ -36,6 +36,7 @@ __all__ = [
     "attention_backward_ref",
     "attention_probs_ref",
     "keep_mask",
+    "kvcache_update_ref",
 ]
 
 
@@ -374,3 +375,84 @@ def attention_probs_ref(
             )
             probs[b, :, : lens_q[b], : lens_k[b]] = p[0]
         return probs
+
+
+# --------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache's cache update
+# --------------------------------------------------------------------------------------------
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (batch, seqlen, nheads, headdim)'s first 2 * cos.shape[1] dims at
+    positions pos (batch, seqlen), computed in float32 (float64 for float64 x)."""
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rd = 2 * cos.shape[1]
+    pos = pos.clamp(0, cos.shape[0] - 1)  # a bad cache_seqlens never indexes out of range
+    c = cos.to(cdt)[pos].unsqueeze(2)  # (batch, seqlen, 1, rd / 2)
+    s = sin.to(cdt)[pos].unsqueeze(2)
+    xr = x[..., :rd].to(cdt)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def kvcache_update_ref(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q_rot: Optional[Tensor],
+    q: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    seqlen_offset: int,
+    cache_batch_idx: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    rotary_interleaved: bool,
+    q_rows_advance: bool,
+) -> Tensor:
+    """The cache update of ``flash_attn_with_kvcache``, in place; returns ``seqused_k``.
+
+    Arguments:
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), written in place.
+        q_rot: (batch, seqlen_q, nheads, headdim), written with q rotated; given exactly when
+            rotary_cos / rotary_sin are.
+        q: (batch, seqlen_q, nheads, headdim).
+        k, v: (batch, seqlen_new, nheads_k, headdim) or None. Row j of batch b goes to row
+            first[b] + j of cache entry cache_batch_idx[b] (clamped; b without it), k rotated
+            at that position first; rows outside the cache are dropped.
+        cache_seqlens: int32 (batch,) first[b], or None: first[b] = seqlen_offset.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); positions are clamped to the
+            tables. q row j is rotated at first[b] + j with q_rows_advance, else at first[b].
+    Return:
+        seqused_k: int32 (batch,), min(max(first[b] + seqlen_new, 0), seqlen_cache).
+    """
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    seqlen_cache = k_cache.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    first = (torch.full((batch,), seqlen_offset, dtype=torch.long, device=q.device)
+             if cache_seqlens is None else cache_seqlens.long())
+    if rotary_cos is not None:
+        assert q_rot is not None and k is not None
+        steps = torch.arange(seqlen_q, device=q.device) * int(q_rows_advance)
+        q_rot.copy_(_rotate(q, rotary_cos, rotary_sin, first[:, None] + steps,
+                            rotary_interleaved))
+        pos = first[:, None] + torch.arange(seqlen_new, device=q.device)
+        k = _rotate(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+    if k is not None and batch > 0:
+        # Rows past the cache's end wrap around onto rows that keep their values (seqlen_new
+        # <= seqlen_cache keeps them distinct from the written ones): no index is out of range.
+        pos = first[:, None] + torch.arange(seqlen_new, device=q.device)
+        rows = torch.remainder(pos, seqlen_cache)
+        inside = (rows == pos)[..., None, None]
+        if cache_batch_idx is None:
+            seqs = torch.arange(batch, device=q.device)[:, None].expand_as(rows)
+        else:
+            seqs = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)[:, None].expand_as(rows)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache[seqs, rows] = torch.where(inside, new, cache[seqs, rows])
+    return (first + seqlen_new).clamp(0, seqlen_cache).to(torch.int32)

@@ -327,6 +327,91 @@ def test_rotary_query_positions(window):
 
 
 # ---------------------------------------------------------------------------------------------
+# The update kernel alone
+# ---------------------------------------------------------------------------------------------
+
+
+def _strided(x):
+    """x's values in a tensor with other strides: heads outermost, every dim padded."""
+    b, s, h, d = x.shape
+    big = torch.full((h + 1, b + 1, s + 2, d + 8), NAN, dtype=x.dtype, device=x.device)
+    view = big[:h, :b, 1:s + 1, 3:d + 3].permute(1, 2, 0, 3)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "neox", "neox_fp32_tables"])
+@pytest.mark.parametrize("lengths", ["int", "tensor", "out_of_range"])
+def test_update_kernel_against_reference(lengths, rotary, layout):
+    """ops.kvcache_update on CUDA (one kernel) against reference.kvcache_update_ref on CPU:
+    the caches and q_rot within 1 ulp (bitwise without rotary), seqused_k equal. With
+    out_of_range, cache_seqlens and cache_batch_idx hold values the Python checks would refuse
+    (negative, past the cache, near 2^31; entries outside the cache) and the tables are shorter
+    than the positions: rows outside the cache are dropped, indices and positions clamped."""
+    from flash_attn import ops, reference
+
+    torch.manual_seed(7)
+    dt, d, b, sq, sn, sc, h, hk = torch.bfloat16, 96, 4, 3, 5, 40, 6, 2
+    q = torch.randn(b, sq, h, d, dtype=dt, device="cuda")
+    k_cache = torch.randn(b + 1, sc, hk, d, dtype=dt, device="cuda")
+    v_cache = torch.randn(b + 1, sc, hk, d, dtype=dt, device="cuda")
+    k = torch.randn(b, sn, hk, d, dtype=dt, device="cuda")
+    v = torch.randn(b, sn, hk, d, dtype=dt, device="cuda")
+    idx = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device="cuda")
+    lens, offset = None, 0
+    if lengths == "int":
+        offset = 17
+    elif lengths == "tensor":
+        lens = torch.tensor([0, 9, sc - sn, 30], dtype=torch.int32, device="cuda")
+    else:
+        lens = torch.tensor([-3, sc - 2, 2**31 - 3, 7], dtype=torch.int32, device="cuda")
+        idx = torch.tensor([9, -1, 2, 3], dtype=torch.int32, device="cuda")
+    cos = sin = q_rot = None
+    if rotary is not None:
+        table_dt = torch.float32 if rotary.endswith("fp32_tables") else dt
+        cos, sin = rotary_tables(20 if lengths == "out_of_range" else sc, 64, table_dt)
+        q_rot = torch.full_like(q, NAN)
+    if layout == "strided":
+        q, k, v, k_cache, v_cache = (_strided(x) for x in (q, k, v, k_cache, v_cache))
+        if q_rot is not None:
+            q_rot = _strided(q_rot)
+    interleaved = rotary == "interleaved"
+    cpu = [x.cpu() if isinstance(x, torch.Tensor) else x for x in
+           (k_cache, v_cache, q_rot, q, k, v, lens, offset, idx, cos, sin)]
+    want_used = reference.kvcache_update_ref(*cpu, interleaved, True)
+    used = ops.kvcache_update(k_cache, v_cache, q_rot, q, k, v, lens, offset, idx, cos, sin,
+                              interleaved, True)
+    torch.cuda.synchronize()
+    assert used.dtype == torch.int32 and torch.equal(used.cpu(), want_used), (used, want_used)
+    ulps = 0 if rotary is None else 1
+    assert_cache_matches("k_cache", k_cache.contiguous(), cpu[0].contiguous(), ulps)
+    assert_cache_matches("v_cache", v_cache.contiguous(), cpu[1].contiguous(), 0)
+    if q_rot is not None:
+        assert_cache_matches("q_rot", q_rot.contiguous(), cpu[2].contiguous(), ulps)
+
+
+def test_out_of_range_lengths_without_checks(monkeypatch):
+    """Without FLASH_ATTN_CHECK_INPUTS, cache_seqlens past the cache (and negative) and
+    cache_batch_idx outside it run without faults: CUDA stays usable, the output is finite, and
+    a good call afterwards matches the CPU path."""
+    monkeypatch.delenv("FLASH_ATTN_CHECK_INPUTS", raising=False)
+    torch.manual_seed(8)
+    dt, d, sc = torch.bfloat16, 64, 128
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, 3, 2, 2, sc, 8, 2, None, batch_cache=3)
+    lens = torch.tensor([-7, sc - 1, 2**31 - 2], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([5, -2, 1], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                  cache_batch_idx=idx, causal=True,
+                                  **rotary_kwargs("neox", 64, d, dt))
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and torch.isfinite(out.float()).all()
+    good = torch.tensor([3, 50, 0], dtype=torch.int32, device="cuda")
+    check_against_cpu(q, k_cache, v_cache, k=k, v=v, cache_seqlens=good, causal=True,
+                      cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors leave CUDA usable
 # ---------------------------------------------------------------------------------------------
 
