@@ -85,8 +85,9 @@ template <class... Args>
 }
 
 // The code path for this GPU: 80 (mma.sync kernels) on compute capability 8.x and 9.x; the SM90
-// kernels take 9.0 once registered unless FLASH_ATTN_FORCE_SM80=1.
-int code_path(Kind kind, Dtype dtype, int tier) {
+// kernels take 9.0 once registered unless FLASH_ATTN_FORCE_SM80=1 or `sm90_ok` is false (a
+// request they do not serve).
+int code_path(Kind kind, Dtype dtype, int tier, bool sm90_ok) {
     const auto* props = at::cuda::getCurrentDeviceProperties();
     if (props->major < 8) {
         raise_not_implemented("flash_attn: needs compute capability 8.0 or newer, this GPU is ",
@@ -94,7 +95,7 @@ int code_path(Kind kind, Dtype dtype, int tier) {
     }
     const char* force = std::getenv("FLASH_ATTN_FORCE_SM80");
     const bool force_sm80 = force != nullptr && std::string(force) == "1";
-    if (props->major == 9 && props->minor == 0 && !force_sm80) {
+    if (props->major == 9 && props->minor == 0 && !force_sm80 && sm90_ok) {
         for (const auto& e : flash::kernel_registry()) {
             if (e.kind == kind && e.arch == 90 && e.dtype == dtype && e.headdim == tier) return 90;
         }
@@ -102,9 +103,9 @@ int code_path(Kind kind, Dtype dtype, int tier) {
     return 80;
 }
 
-const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim) {
+const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim, bool sm90_ok = true) {
     const int tier = flash::headdim_tier(headdim);
-    const int arch = code_path(kind, dtype, tier);
+    const int arch = code_path(kind, dtype, tier, sm90_ok);
     for (const auto& e : flash::kernel_registry()) {
         if (e.kind == kind && e.arch == arch && e.dtype == dtype && e.headdim == tier) return e;
     }
@@ -162,12 +163,14 @@ void check_cu_seqlens(const std::optional<at::Tensor>& t, const char* name, int6
 struct Problem {
     bool varlen;
     int64_t batch, batch_k, seqlen_q, seqlen_k, nheads, nheads_k, headdim, total_q, total_k;
+    int64_t page_size = 0;  // paged K/V (block_table), else 0
 };
 
 Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const std::optional<at::Tensor>& cu_seqlens_q,
                  const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-                 int64_t max_seqlen_k, const std::optional<at::Tensor>& kv_batch_idx = {}) {
+                 int64_t max_seqlen_k, const std::optional<at::Tensor>& kv_batch_idx = {},
+                 const std::optional<at::Tensor>& block_table = {}) {
     dtype_of(q);
     FA_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
     check_cuda_tensor(k, "k", q);
@@ -198,15 +201,29 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
         pb.seqlen_k = std::min(max_seqlen_k, pb.total_k);
         pb.batch_k = 1;
-        FA_CHECK(!kv_batch_idx.has_value(),
-                 "flash_attn: kv_batch_idx is for batched K/V, not varlen (cu_seqlens) inputs");
+        FA_CHECK(!kv_batch_idx.has_value() && !block_table.has_value(),
+                 "flash_attn: kv_batch_idx and block_table are for batched K/V, not varlen "
+                 "(cu_seqlens) inputs");
     } else {
         FA_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
         pb.batch = q.size(0);
         pb.seqlen_q = q.size(1);
         pb.seqlen_k = k.size(1);
         pb.batch_k = k.size(0);
-        if (kv_batch_idx.has_value()) {
+        if (block_table.has_value()) {
+            const at::Tensor& bt = *block_table;
+            FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == pb.batch &&
+                         bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
+                     "flash_attn: block_table must be an int32 tensor of shape (batch, "
+                     "max_num_blocks_per_seq) on q's device with a contiguous last dim");
+            FA_CHECK(!kv_batch_idx.has_value(),
+                     "flash_attn: kv_batch_idx and block_table cannot be used together");
+            pb.page_size = k.size(1);
+            FA_CHECK(pb.batch_k > 0 && pb.page_size % 64 == 0,
+                     "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, "
+                     "got k of shape ", k.sizes());
+            pb.seqlen_k = bt.size(1) * pb.page_size;
+        } else if (kv_batch_idx.has_value()) {
             const at::Tensor& idx = *kv_batch_idx;
             FA_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 1 && idx.is_contiguous() &&
                          idx.numel() == pb.batch && idx.device() == q.device(),
@@ -217,9 +234,10 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             FA_CHECK(pb.batch_k == pb.batch, "flash_attn: q and k batch sizes differ");
         }
         pb.total_q = pb.batch * pb.seqlen_q;
-        pb.total_k = pb.batch_k * pb.seqlen_k;
+        pb.total_k = pb.page_size > 0 ? pb.batch_k * pb.page_size : pb.batch_k * pb.seqlen_k;
     }
-    FA_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31),
+    FA_CHECK(pb.total_q < (int64_t(1) << 31) && pb.total_k < (int64_t(1) << 31) &&
+                 pb.seqlen_k < (int64_t(1) << 31),
              "flash_attn: more than 2^31 rows are not supported");
     return pb;
 }
@@ -297,12 +315,18 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             std::optional<at::Tensor> seqused_k, int64_t max_seqlen_q,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
-                            std::optional<at::Tensor> kv_batch_idx) {
+                            std::optional<at::Tensor> kv_batch_idx,
+                            std::optional<at::Tensor> block_table) {
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, kv_batch_idx);
+                                max_seqlen_k, kv_batch_idx, block_table);
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
-    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim);
+    // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
+    // block_n); other page sizes run on the SM80 kernels (key blocks of 64).
+    const int tier = flash::headdim_tier(int(pb.headdim));
+    const bool sm90_ok =
+        pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0;
+    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 
     at::Tensor out;
@@ -345,6 +369,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
         p.seqused_k = seqused_k->data_ptr<int>();
     }
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
+    if (block_table.has_value()) {
+        p.block_table = block_table->data_ptr<int>();
+        p.block_table_stride = block_table->stride(0);
+        p.page_size = int(pb.page_size);
+        p.num_pages = int(pb.batch_k);
+    }
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -481,7 +511,7 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
                           int64_t seqlen_offset, std::optional<at::Tensor> cache_batch_idx,
                           std::optional<at::Tensor> rotary_cos,
                           std::optional<at::Tensor> rotary_sin, bool rotary_interleaved,
-                          bool q_rows_advance) {
+                          bool q_rows_advance, std::optional<at::Tensor> block_table) {
     const Dtype dtype = dtype_of(q);
     FA_CHECK(q.is_cuda() && q.dim() == 4, "flash_attn: q must be a 4-D CUDA tensor");
     check_cuda_tensor(k_cache, "k_cache", q);
@@ -501,9 +531,21 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     };
     check_index(cache_seqlens, "cache_seqlens");
     check_index(cache_batch_idx, "cache_batch_idx");
-    FA_CHECK(cache_batch_idx.has_value() ? (batch == 0 || k_cache.size(0) > 0)
-                                         : k_cache.size(0) >= batch,
-             "flash_attn: k_cache holds ", k_cache.size(0), " sequences for batch ", batch);
+    int64_t seqlen_cache = k_cache.size(1);
+    if (block_table.has_value()) {
+        const at::Tensor& bt = *block_table;
+        FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch &&
+                     bt.stride(1) == 1 && bt.device() == q.device() &&
+                     !cache_batch_idx.has_value() && k_cache.size(0) > 0 && k_cache.size(1) > 0,
+                 "flash_attn: block_table must be an int32 (batch, max_num_blocks_per_seq) "
+                 "tensor with a contiguous last dim, without cache_batch_idx, over a cache of "
+                 "at least one page");
+        seqlen_cache = bt.size(1) * k_cache.size(1);
+    } else {
+        FA_CHECK(cache_batch_idx.has_value() ? (batch == 0 || k_cache.size(0) > 0)
+                                             : k_cache.size(0) >= batch,
+                 "flash_attn: k_cache holds ", k_cache.size(0), " sequences for batch ", batch);
+    }
     FA_CHECK(k.has_value() == v.has_value(), "flash_attn: k and v must be given together");
     int64_t seqlen_new = 0;
     if (k.has_value()) {
@@ -535,7 +577,7 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
                  "rotary_dim / 2) with 0 < rotary_dim <= headdim");
     }
     const int64_t most = std::numeric_limits<int32_t>::max();
-    FA_CHECK(q.size(1) <= most && k_cache.size(0) <= most && k_cache.size(1) <= most &&
+    FA_CHECK(q.size(1) <= most && k_cache.size(0) <= most && seqlen_cache <= most &&
                  seqlen_new <= most && (!rotary || cos.size(0) <= most) &&
                  seqlen_offset >= -most && seqlen_offset <= most,
              "flash_attn: sizes and cache_seqlens must fit in int32");
@@ -572,7 +614,12 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     p.q_rows_advance = q_rows_advance;
     p.batch = int(batch);
     p.batch_cache = int(k_cache.size(0));
-    p.seqlen_cache = int(k_cache.size(1));
+    p.seqlen_cache = int(seqlen_cache);
+    if (block_table.has_value()) {
+        p.block_table = block_table->data_ptr<int>();
+        p.block_table_stride = block_table->stride(0);
+        p.page_size = int(k_cache.size(1));
+    }
     p.seqlen_new = int(seqlen_new);
     p.seqlen_q = int(q.size(1));
     p.nheads = int(q.size(2));
@@ -615,7 +662,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
           py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
-          py::arg("softcap"), py::arg("kv_batch_idx") = py::none());
+          py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
+          py::arg("block_table") = py::none());
     m.def("bwd", &bwd, "attention backward");
     m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update");
     m.def("build_info", &build_info, "what this build compiled");

@@ -605,11 +605,12 @@ def _check_cache_index(fn: str, name: str, x, q: Tensor, batch: int) -> None:
 
 
 def _check_index_values(fn: str, name: str, x: Tensor, end: int, interval: str) -> None:
-    """Every entry of the int tensor x in [0, end), `interval` naming that range in the error
-    (a device sync on CUDA)."""
-    for i, n in enumerate(x.tolist()):
+    """Every entry of the 1-D or 2-D int tensor x in [0, end), `interval` naming that range in
+    the error (a device sync on CUDA)."""
+    for i, n in enumerate(x.reshape(-1).tolist()):
         if not 0 <= n < end:
-            raise ValueError(f"{fn}: {name} must be in {interval}, got {name}[{i}] = {n}")
+            at = str(i) if x.dim() == 1 else ", ".join(map(str, divmod(i, x.shape[1])))
+            raise ValueError(f"{fn}: {name} must be in {interval}, got {name}[{at}] = {n}")
 
 
 def validate_kvcache(
@@ -634,14 +635,10 @@ def validate_kvcache(
     num_splits=0,
     return_softmax_lse=False,
 ) -> KVCacheArgs:
-    """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b; k / v
+    """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b, or paged
+    (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v
     (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
     (seqlen_ro, rotary_dim / 2). Returns the normalized call."""
-    if block_table is not None:
-        raise NotImplementedError(
-            f"{fn}: block_table (paged KV cache) is not implemented; pass block_table=None "
-            f"with a contiguous cache of shape (batch_cache, seqlen_cache, nheads_k, headdim)"
-        )
     if cache_leftpad is not None:
         raise NotImplementedError(
             f"{fn}: cache_leftpad is not implemented; pass cache_leftpad=None (keep each "
@@ -660,8 +657,35 @@ def validate_kvcache(
         fn, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, varlen=False, same_batch=False
     )
     batch, seqlen_cache = q.shape[0], k_cache.shape[1]
-    # With cache_batch_idx any entry may serve any batch: one entry is enough.
-    need = batch if cache_batch_idx is None else min(batch, 1)
+    if block_table is not None:
+        _check_tensor(fn, "block_table", block_table)
+        _check_same_device(fn, "q", q, "block_table", block_table)
+        if block_table.dtype != torch.int32:
+            raise TypeError(
+                f"{fn}: block_table must be an int32 tensor of shape (batch, "
+                f"max_num_blocks_per_seq), got {block_table.dtype}; convert with "
+                f"block_table.to(torch.int32)"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+            raise ValueError(
+                f"{fn}: block_table must have shape (batch, max_num_blocks_per_seq) = ({batch}, "
+                f">= 1), got {tuple(block_table.shape)}"
+            )
+        if cache_batch_idx is not None:
+            raise ValueError(
+                f"{fn}: cache_batch_idx cannot be used with block_table (the block table "
+                f"already names each sequence's pages); pass cache_batch_idx=None"
+            )
+        page = k_cache.shape[1]
+        if page % 64 != 0 or k_cache.shape[0] < 1:
+            raise ValueError(
+                f"{fn}: a paged k_cache must have shape (num_blocks >= 1, page_block_size, "
+                f"nheads_k, headdim) with page_block_size a multiple of 64, got "
+                f"{tuple(k_cache.shape)}"
+            )
+        seqlen_cache = block_table.shape[1] * page
+    # With cache_batch_idx any entry may serve any batch, and pages any sequence: one is enough.
+    need = batch if cache_batch_idx is None and block_table is None else min(batch, 1)
     if k_cache.shape[0] < need:
         raise ValueError(
             f"{fn}: k_cache must hold at least {need} sequences (dim 0: batch = {batch}"
@@ -682,7 +706,7 @@ def validate_kvcache(
         if seqlen_new > seqlen_cache:
             raise ValueError(
                 f"{fn}: k has {seqlen_new} new rows but the cache holds only {seqlen_cache} "
-                f"(k_cache.shape[1])"
+                f"({'k_cache.shape[1]' if block_table is None else 'the block table'})"
             )
         if cache_seqlens is None:
             raise ValueError(
@@ -757,6 +781,9 @@ def validate_kvcache(
         if cache_batch_idx is not None:
             _check_index_values(fn, "cache_batch_idx", cache_batch_idx, k_cache.shape[0],
                                 f"[0, batch_cache) = [0, {k_cache.shape[0]})")
+        if block_table is not None:
+            _check_index_values(fn, "block_table", block_table, k_cache.shape[0],
+                                f"[0, num_blocks) = [0, {k_cache.shape[0]})")
     attn = AttnArgs(
         varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=seqlen_cache, total_q=None,
         total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim, softmax_scale=scale,

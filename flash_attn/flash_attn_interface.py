@@ -15,8 +15,8 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` raise ``NotImplementedError``, as
-  does ``deterministic=True`` when a CUDA backward will be needed.
+* ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` of ``flash_attn_varlen_func`` raise
+  ``NotImplementedError``, as does ``deterministic=True`` when a CUDA backward will be needed.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def _forward(
     max_seqlen_k: int,
     deterministic: bool,
     kv_batch_idx: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
 ):
     """(out, softmax_lse) of the forward op, on inputs made kernel-ready: a last dim with
     stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back)."""
@@ -68,7 +69,7 @@ def _forward(
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-        kv_batch_idx,
+        kv_batch_idx, block_table,
     )
     return (out[..., :hd] if pad else out), lse
 
@@ -488,6 +489,8 @@ def flash_attn_with_kvcache(
     )
     a = c.attn
     first = c.cache_seqlens
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
     seqused_k = None
     if first is not None:  # one kernel: the new rows written, q rotated, the lengths
         q_rot = torch.empty_like(q) if c.rotary_dim else None
@@ -495,16 +498,19 @@ def flash_attn_with_kvcache(
         seqused_k = ops.kvcache_update(
             k_cache, v_cache, q_rot, q, k, v, first if isinstance(first, Tensor) else None,
             first if isinstance(first, int) else 0, cache_batch_idx, rotary_cos, rotary_sin,
-            c.rotary_interleaved, local,
+            c.rotary_interleaved, local, block_table,
         )
         q = q if q_rot is None else q_rot
-    # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx).
-    if cache_batch_idx is None:
+    # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx),
+    # and a paged cache's pages through its block table.
+    if block_table is not None:
+        keys, values, kv_batch_idx = k_cache, v_cache, None
+    elif cache_batch_idx is None:
         keys, values, kv_batch_idx = k_cache[:a.batch], v_cache[:a.batch], None
     else:
         keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx.contiguous()
     out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
-                        False, kv_batch_idx)
+                        False, kv_batch_idx, block_table)
     return (out, lse) if c.return_softmax_lse else out
 
 
@@ -535,9 +541,11 @@ flash_attn_with_kvcache.__doc__ = """
     Arguments:
         q: (batch_size, seqlen, nheads, headdim)
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), batch_size_cache >=
-            batch_size without cache_batch_idx (a paged cache, with block_table, is not
-            implemented).
-        v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim)
+            batch_size without cache_batch_idx; or (num_blocks, page_block_size, nheads_k,
+            headdim) if there's a block_table (i.e. paged KV cache), page_block_size a multiple
+            of 64.
+        v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) or (num_blocks,
+            page_block_size, nheads_k, headdim) if there's a block_table.
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, we concatenate
             k with k_cache, starting at the indices specified by cache_seqlens.
         v [optional]: (batch_size, seqlen_new, nheads_k, headdim). Similar to k.
@@ -556,7 +564,12 @@ flash_attn_with_kvcache.__doc__ = """
             1]. If the indices are not distinct, and k and v are provided, the values updated
             in the cache might come from any of the duplicate indices.
         cache_leftpad: must be None (left-padded caches are not implemented).
-        block_table: must be None (paged KV cache is not implemented).""" + _SCORE_ARGS_DOC + """
+        block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Row
+            r of sequence b is row r % page_block_size of page block_table[b, r //
+            page_block_size]; the cache's length is max_num_blocks_per_seq * page_block_size.
+            Not with cache_batch_idx. Pages are read in place; on the Hopper kernels where
+            page_block_size is a multiple of their key block (128 for headdim <= 128, 96 to
+            192, 80 to 256), else on the SM80 kernels.""" + _SCORE_ARGS_DOC + """
         rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +

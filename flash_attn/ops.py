@@ -175,6 +175,7 @@ def _fwd_op(
     softcap: float,
     deterministic: bool = False,
     kv_batch_idx: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -184,9 +185,11 @@ def _fwd_op(
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-             kv_batch_idx=None):
+             kv_batch_idx=None, block_table=None):
     if kv_batch_idx is not None:
         k, v = _gather_kv(k, v, kv_batch_idx)
+    if block_table is not None:
+        k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap,
@@ -211,14 +214,15 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 @_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None):
-    if q.numel() == 0 or k.numel() == 0:
+              kv_batch_idx=None, block_table=None):
+    if (q.numel() == 0 or k.numel() == 0
+            or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, cu_seqlens_q)
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
     out, lse = ext.fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx, block_table,
     )
     return out, lse
 
@@ -226,7 +230,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None):
+              kv_batch_idx=None, block_table=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -348,10 +352,11 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx) = inputs
+     kv_batch_idx, block_table) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx)
     ctx.has_seqused_k = seqused_k is not None
+    ctx.paged = block_table is not None
     ctx.max_seqlen_q = max_seqlen_q
     ctx.max_seqlen_k = max_seqlen_k
     ctx.softmax_scale = softmax_scale
@@ -371,6 +376,11 @@ def _backward(ctx, dout, dlse):
             "flash_attn: the backward pass does not support seqused_k (forward only, see "
             "docs/INTERNALS.md)"
         )
+    if ctx.paged:
+        raise NotImplementedError(
+            "flash_attn: the backward pass does not support a paged K/V (block_table; forward "
+            "only)"
+        )
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
@@ -385,7 +395,7 @@ def _backward(ctx, dout, dlse):
         idx = kv_batch_idx.long().clamp(0, k.shape[0] - 1)
         dk = torch.zeros_like(k).index_add_(0, idx, dk)
         dv = torch.zeros_like(v).index_add_(0, idx, dv)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -422,6 +432,7 @@ def flash_attn_fwd(
     softcap: float,
     deterministic: bool = False,
     kv_batch_idx: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
     not differentiable).
@@ -434,10 +445,10 @@ def flash_attn_fwd(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx)
+            kv_batch_idx, block_table)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
-                                                             kv_batch_idx):
+                                                             kv_batch_idx, block_table):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttnFunc.apply(*args)
@@ -465,6 +476,7 @@ def _kvcache_update_op(
     rotary_sin: Optional[Tensor],
     rotary_interleaved: bool,
     q_rows_advance: bool,
+    block_table: Optional[Tensor] = None,
 ) -> Tensor:
     raise NotImplementedError(
         f"flash_attn::_kvcache_update has no implementation for device {q.device} (CUDA and "
@@ -501,6 +513,7 @@ def kvcache_update(
     rotary_sin: Optional[Tensor],
     rotary_interleaved: bool,
     q_rows_advance: bool,
+    block_table: Optional[Tensor] = None,
 ) -> Tensor:
     """flash_attn_with_kvcache's cache update (:func:`flash_attn.reference.kvcache_update_ref`
     states it): k/v written into the caches in place (k rotated), q rotated into q_rot, and
@@ -508,9 +521,9 @@ def kvcache_update(
     ``torch.ops.flash_attn._kvcache_update`` while tracing or when :func:`_direct_call_ok` says
     no, else its kernel for q's device directly. Not differentiable."""
     args = (k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
-            rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance)
+            rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
     if torch.compiler.is_compiling() or not _direct_call_ok(
             q, k_cache, v_cache, q_rot, k, v, cache_seqlens, cache_batch_idx, rotary_cos,
-            rotary_sin):
+            rotary_sin, block_table):
         return _kvcache_update_op(*args)
     return _kvcache_update_cuda(*args) if q.is_cuda else _kvcache_update_cpu(*args)

@@ -37,6 +37,7 @@ __all__ = [
     "attention_probs_ref",
     "keep_mask",
     "kvcache_update_ref",
+    "unpage",
 ]
 
 
@@ -400,6 +401,14 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def unpage(x: Tensor, block_table: Tensor) -> Tensor:
+    """A paged K or V (num_pages, page_size, nheads_k, headdim) as the contiguous
+    (batch, max_num_blocks_per_seq * page_size, nheads_k, headdim) its block_table (batch,
+    max_num_blocks_per_seq) describes; page indices are clamped into the pages."""
+    pages = block_table.long().clamp(0, x.shape[0] - 1)
+    return x[pages].flatten(1, 2)
+
+
 def kvcache_update_ref(
     k_cache: Tensor,
     v_cache: Tensor,
@@ -414,6 +423,7 @@ def kvcache_update_ref(
     rotary_sin: Optional[Tensor],
     rotary_interleaved: bool,
     q_rows_advance: bool,
+    block_table: Optional[Tensor] = None,
 ) -> Tensor:
     """The cache update of ``flash_attn_with_kvcache``, in place; returns ``seqused_k``.
 
@@ -428,11 +438,15 @@ def kvcache_update_ref(
         cache_seqlens: int32 (batch,) first[b], or None: first[b] = seqlen_offset.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2); positions are clamped to the
             tables. q row j is rotated at first[b] + j with q_rows_advance, else at first[b].
+        block_table: paged caches (num_pages, page_size, nheads_k, headdim): row r of batch b
+            is row r % page_size of page block_table[b, r // page_size] (clamped); the caches'
+            length is then max_num_blocks_per_seq * page_size.
     Return:
         seqused_k: int32 (batch,), min(max(first[b] + seqlen_new, 0), seqlen_cache).
     """
     batch, seqlen_q = q.shape[0], q.shape[1]
-    seqlen_cache = k_cache.shape[1]
+    page_size = k_cache.shape[1]
+    seqlen_cache = page_size if block_table is None else block_table.shape[1] * page_size
     seqlen_new = 0 if k is None else k.shape[1]
     first = (torch.full((batch,), seqlen_offset, dtype=torch.long, device=q.device)
              if cache_seqlens is None else cache_seqlens.long())
@@ -449,7 +463,10 @@ def kvcache_update_ref(
         pos = first[:, None] + torch.arange(seqlen_new, device=q.device)
         rows = torch.remainder(pos, seqlen_cache)
         inside = (rows == pos)[..., None, None]
-        if cache_batch_idx is None:
+        if block_table is not None:
+            seqs = block_table.long().gather(1, rows // page_size).clamp(0, k_cache.shape[0] - 1)
+            rows = rows % page_size
+        elif cache_batch_idx is None:
             seqs = torch.arange(batch, device=q.device)[:, None].expand_as(rows)
         else:
             seqs = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)[:, None].expand_as(rows)

@@ -265,9 +265,11 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using T = typename Traits::Element;
     const bool varlen = p.is_varlen();
     const int rows_q = varlen ? p.total_q : p.seqlen_q;
-    const int rows_k = varlen ? p.total_k : p.seqlen_k;
+    // Paged K/V: the TMA views are (page_size, d, heads, pages).
+    const bool paged = p.block_table != nullptr;
+    const int rows_k = paged ? p.page_size : varlen ? p.total_k : p.seqlen_k;
     const int batch = varlen ? 1 : p.batch;
-    const int batch_k = varlen ? 1 : p.batch_k;
+    const int batch_k = paged ? p.num_pages : varlen ? 1 : p.batch_k;
     auto gmem = [&](const void* ptr, int rows, int heads, int entries, TensorStrides const& s) {
         return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
                            make_shape(rows, p.headdim, heads, entries),
@@ -370,10 +372,10 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     p.pack_gqa = 1;
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
-    // seqused_k), and its clusters pair query tiles: all heads' tiles must make whole pairs. It
-    // splits the keys of a grid with few tiles itself (SplitPlan). Other shapes take the band
-    // kernel, whose mask and schedule handle them.
-    const bool batched = !p.is_varlen() && p.seqused_k == nullptr;
+    // seqused_k, not paged), and its clusters pair query tiles: all heads' tiles must make whole
+    // pairs. It splits the keys of a grid with few tiles itself (SplitPlan). Other shapes take
+    // the band kernel, whose mask and schedule handle them.
+    const bool batched = !p.is_varlen() && p.seqused_k == nullptr && p.block_table == nullptr;
     const bool plain = !band && batched && whole_clusters<Plain>(p);
     const bool few_tiles =
         !plain && split_enabled() &&

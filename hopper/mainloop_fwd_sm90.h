@@ -166,8 +166,25 @@ struct Sm90FwdMainloop {
             }
             ++state;
         };
-        auto load_k = [&](int n) { load_block(k_pipe, k_state, a.tma_k, sK, gK, n); };
-        auto load_v = [&](int n) { load_block(v_pipe, v_state, a.tma_v, sV, gV, n); };
+        // Paged K/V (band kernels only; the TMA views are then (page_size, d) per page): key
+        // block n lies in one page (page_size % kBlockN == 0, the launcher's rule).
+        const bool paged = Traits::kBand && seq.pages != nullptr;
+        auto page_blocks = [&](auto const& tma, int n) {
+            return local_tile(head_view(tma, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k,
+                                        seq.page(p, n * kBlockN), 0),
+                              Shape<BN, D>{}, make_coord(_, _0{}));
+        };
+        auto load_kv = [&](auto& pipe, PipeState& state, auto const& tma, auto const& s,
+                           auto const& gmem, int n) {
+            if (paged) {
+                load_block(pipe, state, tma, s, page_blocks(tma, n),
+                           n * kBlockN % p.page_size / kBlockN);
+            } else {
+                load_block(pipe, state, tma, s, gmem, n);
+            }
+        };
+        auto load_k = [&](int n) { load_kv(k_pipe, k_state, a.tma_k, sK, gK, n); };
+        auto load_v = [&](int n) { load_kv(v_pipe, v_state, a.tma_v, sV, gV, n); };
 
         load_k(g.n_last - 1);
         q_pipe.producer_acquire(q_state);

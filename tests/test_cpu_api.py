@@ -469,12 +469,14 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         @staticmethod
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                kv_batch_idx=None):
+                kv_batch_idx=None, block_table=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
-                                kv_batch_idx=kv_batch_idx)
+                                kv_batch_idx=kv_batch_idx, block_table=block_table)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
+            if block_table is not None:
+                k, v = (x[block_table.long()].flatten(1, 2) for x in (k, v))
             return list(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap))
@@ -498,7 +500,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
-                                window=(2, 0), kv_batch_idx=None)
+                                window=(2, 0), kv_batch_idx=None, block_table=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
@@ -515,6 +517,15 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                                                        None, 3, 5, 0.4)
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     assert calls["fwd"]["kv_batch_idx"] is idx
+    # block_table after it: batch b's keys are pages table[b, 0], table[b, 1], ...
+    table = torch.tensor([[2, 0], [1, 1]], dtype=torch.int32)
+    out, lse = ops._fwd_cuda(qb, kb, vb, None, None, None, 3, 10, 0.4, False, -1, -1, 0.0,
+                             False, None, table)
+    ref_out, ref_lse = reference.attention_forward_ref(
+        qb, kb[[2, 0, 1, 1]].reshape(2, 10, 2, 8), vb[[2, 0, 1, 1]].reshape(2, 10, 2, 8), None,
+        None, None, 3, 10, 0.4)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    assert calls["fwd"]["block_table"] is table
     # empty inputs never reach the extension
     calls.clear()
     e_out, e_lse = ops._fwd_cuda(q[:0], k, v, cu_q, cu_k, None, 0, 9, 0.4, False, -1, -1, 0.0)

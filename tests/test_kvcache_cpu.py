@@ -497,6 +497,44 @@ def test_cache_batch_idx_backward():
     assert grads[1][1].abs().sum() == 0  # entry 1 is read by no batch
 
 
+def to_pages(cache, page, perm):
+    """A contiguous cache (b, s, hk, d) as pages (num_blocks, page, hk, d) in the order perm
+    (sequence b's block i is page perm[b * s / page + i]; num_blocks = len(perm) may exceed
+    the blocks used) and its block table (b, s / page)."""
+    b, s = cache.shape[:2]
+    blocks = cache.reshape(b * s // page, page, *cache.shape[2:])
+    pages = grid_rand(len(perm), page, *cache.shape[2:], dtype=cache.dtype)
+    table = torch.tensor(perm[:b * s // page], dtype=torch.int32).reshape(b, s // page)
+    pages[table.reshape(-1).long()] = blocks
+    return pages, table
+
+
+@pytest.mark.parametrize("sq,sn,rotary", [(1, 1, False), (1, 1, True), (3, 0, False),
+                                          (5, 70, False), (5, 70, True)])
+def test_paged_cache(sq, sn, rotary):
+    """A paged cache (block_table; pages of 64 rows in shuffled order, one page unused) gives
+    the results of the same cache held contiguously, and the append writes the same rows
+    into the pages (a write across a page boundary with sn = 70)."""
+    torch.manual_seed(20)
+    b, sc, page = 2, 192, 64
+    q, k_cache, v_cache, k, v = make(b=b, sq=sq, sn=sn, sc=sc)
+    perm = torch.randperm(b * sc // page + 1).tolist()
+    k_pages, table = to_pages(k_cache, page, perm)
+    v_pages, _ = to_pages(v_cache, page, perm)
+    kw = dict(k=k, v=v, cache_seqlens=seqlens(30, 100), causal=True)
+    if rotary:
+        cos, sin = grid_cos_sin(sc, 16)
+        kw.update(rotary_cos=cos, rotary_sin=sin)
+    out_ref, lse_ref, _, _ = check_call(q, k_cache, v_cache, **kw)
+    out, lse = flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                       return_softmax_lse=True, **kw)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    torch.testing.assert_close(lse, lse_ref, **TOL)
+    flat = table.reshape(-1).long()
+    torch.testing.assert_close(k_pages[flat].reshape(k_cache.shape), k_cache, atol=0, rtol=0)
+    torch.testing.assert_close(v_pages[flat].reshape(v_cache.shape), v_cache, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
@@ -515,10 +553,28 @@ def _err_args(**over):
 
 _K_OR_CACHE_OR_SEQLEN = r"seqlen|k_cache|" + arg_re("k")
 
+
+def _paged():
+    """A valid paged cache for _err_args: 3 pages of 64 rows, one page per sequence."""
+    return dict(k_cache=grid_rand(3, 64, 2, 16), v_cache=grid_rand(3, 64, 2, 16),
+                block_table=torch.tensor([[2], [0]], dtype=torch.int32))
+
 # (id, overrides, exception, regexes the message must all contain)
 ERROR_CASES = [
-    ("block_table", lambda: dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     NotImplementedError, [arg_re("block_table")]),
+    ("block_table_page_not_64", lambda: dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
+     ValueError, [r"page_block_size"]),
+    ("block_table_int64", lambda: dict(_paged(), block_table=torch.zeros(2, 1,
+                                                                          dtype=torch.long)),
+     TypeError, [arg_re("block_table")]),
+    ("block_table_wrong_batch", lambda: dict(_paged(), block_table=torch.zeros(3, 1,
+                                                                               dtype=torch.int32)),
+     ValueError, [arg_re("block_table")]),
+    ("block_table_with_cache_batch_idx",
+     lambda: dict(_paged(), cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError,
+     [arg_re("block_table"), arg_re("cache_batch_idx")]),
+    ("block_table_page_out_of_range",
+     lambda: dict(_paged(), block_table=torch.tensor([[0], [3]], dtype=torch.int32)),
+     ValueError, [arg_re("block_table")]),
     ("cache_leftpad", lambda: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)),
      NotImplementedError, [arg_re("cache_leftpad")]),
     ("alibi_slopes", lambda: dict(alibi_slopes=torch.ones(4)), NotImplementedError,

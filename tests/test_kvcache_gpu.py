@@ -70,12 +70,14 @@ def rotate(x, cos, sin, pos, interleaved):
 
 def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                   cache_seqlens=None, cache_batch_idx=None, causal=False, window_size=(-1, -1),
-                  rotary_interleaved=True):
+                  rotary_interleaved=True, block_table=None):
     """``pt`` of the accuracy rule: attention_ref in q's dtype per sequence on
     cat(k_cache[e, :cache_seqlens[b]], rotated k[b]) (k_cache as before the call), q rotated at
     cache_seqlens[b] (+ j with causal or a window). Returns out (batch, seqlen_q, nheads, d) in
     q's dtype and lse (batch, nheads, seqlen_q) in float32."""
     b, sq = q.shape[:2]
+    if block_table is not None:  # the pages as the contiguous cache they describe
+        k_cache, v_cache = (x[block_table.long()].flatten(1, 2) for x in (k_cache, v_cache))
     if cache_seqlens is None:
         lens = torch.full((b,), k_cache.shape[1], dtype=torch.long, device=q.device)
     else:
@@ -313,6 +315,46 @@ def test_cache_batch_idx_backward():
         assert_accuracy(name, g, g_ref, g_pt, 3)
 
 
+def paged(cache, page, perm):
+    """A contiguous cache (b, s, hk, d) as pages (len(perm), page, hk, d) in the order perm
+    (sequence b's block i is page perm[b * s / page + i]; unused pages hold NaN) and its block
+    table (b, s / page)."""
+    b, s = cache.shape[:2]
+    pages = torch.full((len(perm), page, *cache.shape[2:]), NAN, dtype=cache.dtype,
+                       device=cache.device)
+    table = torch.tensor(perm[:b * s // page], dtype=torch.int32,
+                         device=cache.device).reshape(b, s // page)
+    pages[table.reshape(-1).long()] = cache.reshape(b * s // page, page, *cache.shape[2:])
+    return pages, table
+
+
+@pytest.mark.parametrize("d,page", [(64, 64), (64, 128), (128, 64), (128, 128), (128, 256),
+                                    (256, 256), (256, 320)])
+@pytest.mark.parametrize("case", ["decode_split", "prefill_rotary"])
+def test_paged_cache(case, d, page, monkeypatch):
+    """A paged cache (block_table, pages in shuffled order, unused pages NaN) read in place:
+    on the Hopper kernels where the page holds whole key blocks (d=64/128: 128 rows, d=256:
+    80), else on the SM80 kernels. decode_split: one new row per sequence over a long cache
+    (the keys split over SMs); prefill_rotary: a causal chunk of 40 rows written across page
+    boundaries, rotated."""
+    monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(10)
+    dt, h, hk = torch.bfloat16, 8, 2
+    if case == "decode_split":
+        b, sq, sn, sc, lens = 2, 1, 1, 12 * page, [12 * page - 1, 5 * page + 3]
+    else:
+        b, sq, sn, sc, lens = 3, 40, 40, 4 * page, [0, page - 7, 3 * page - 40]
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, b, sq, sn, sc, h, hk, lens)
+    perm = torch.randperm(b * sc // page + 2).tolist()
+    k_pages, table = paged(k_cache, page, perm)
+    v_pages, _ = paged(v_cache, page, perm)
+    kw = dict(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+              causal=True, block_table=table)
+    if case == "prefill_rotary":
+        kw.update(rotary_kwargs("neox", sc, d, dt))
+    check_against_cpu(q, k_pages, v_pages, **kw)
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["full", "window"])
 def test_rotary_query_positions(window):
     """A non-causal chunk of 16 queries with rotary: without a window every q row is rotated at
@@ -448,7 +490,8 @@ def _all_fp32(a):
 
 # (id, overrides of the good arguments, exception, argument the message names)
 ERROR_CASES = [
-    ("block_table", lambda a: dict(block_table=_i32(2, 1)), NotImplementedError, "block_table"),
+    ("block_table_int64", lambda a: dict(block_table=_i32(2, 1).long()), TypeError,
+     "block_table"),
     ("cache_leftpad", lambda a: dict(cache_leftpad=_i32(2)), NotImplementedError,
      "cache_leftpad"),
     ("num_splits", lambda a: dict(num_splits=4), NotImplementedError, "num_splits"),

@@ -96,6 +96,22 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     Tensor tVgV = gthr.partition_S(gV);
     Tensor tVsV = gthr.partition_D(sV);
     Tensor tKVc = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
+    // Key block n of K (or V, from its tiles, head base and strides) into shared memory. A
+    // paged block lies in one page (page_size % kBlockN == 0): its rows start at the page's.
+    auto load_block = [&](auto const& tXgX, const T* head_base, TensorStrides const& s,
+                          auto& tXsX, int n) {
+        const int valid = seq.seqlen_k - n * kBlockN;
+        if (seq.pages == nullptr) {
+            load_tile<kBlockN, kHeadDim>(gload, tXgX(_, _, _, n), tXsX, tKVc, valid, p.headdim);
+        } else {
+            Tensor g = make_tensor(make_gmem_ptr(head_base + seq.page_offset(s, p, n * kBlockN)),
+                                   Shape<BN, D>{}, make_stride(s.row, _1{}));
+            load_tile<kBlockN, kHeadDim>(gload, gthr.partition_S(g), tXsX, tKVc, valid,
+                                         p.headdim);
+        }
+    };
+    auto load_keys = [&](int n) { load_block(tKgK, k_ptr, p.k_stride, tKsK, n); };
+    auto load_values = [&](int n) { load_block(tVgV, v_ptr, p.v_stride, tVsV, n); };
 
     typename K::TiledMma mma;
     auto thr_mma = mma.get_thread_slice(tid);
@@ -118,11 +134,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     const int rows_left = seq.seqlen_q - row0;
     load_tile<kBlockM, kHeadDim>(gload, tQgQ, tQsQ, tQcQ, rows_left, p.headdim);
-    if (n_last > n_first) {
-        const int n = n_last - 1;
-        load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n), tKsK, tKVc,
-                                     seq.seqlen_k - n * kBlockN, p.headdim);
-    }
+    if (n_last > n_first) load_keys(n_last - 1);
     cp_async_fence();
 
     Tensor o_rc = make_tensor(acc_o.data(), acc_as_rows_cols(acc_o.layout()));
@@ -138,8 +150,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         clear(acc_s);
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed and every warp is done reading V(n + 1)
-        load_tile<kBlockN, kHeadDim>(gload, tVgV(_, _, _, n), tVsV, tKVc,
-                                     seq.seqlen_k - n * kBlockN, p.headdim);
+        load_values(n);
         cp_async_fence();
 
         gemm_smem(mma, acc_s, rQ, rK, sQ_part, sK_part, copy_q, copy_k);
@@ -152,8 +163,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
         if (n > n_first) {
-            load_tile<kBlockN, kHeadDim>(gload, tKgK(_, _, _, n - 1), tKsK, tKVc,
-                                         seq.seqlen_k - (n - 1) * kBlockN, p.headdim);
+            load_keys(n - 1);
             cp_async_fence();
         }
 

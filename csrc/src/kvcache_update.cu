@@ -14,7 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;  // grid-stride beyond: a few waves on any GPU
 
-// Explicit conversions: torch builds define __CUDA_NO_HALF_CONVERSIONS__ and its bf16 twin.
+// Explicit conversions: they hold whether or not __CUDA_NO_HALF_CONVERSIONS__ is defined.
 __device__ float to_float(__half x) { return __half2float(x); }
 __device__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ float to_float(float x) { return x; }
@@ -89,10 +89,15 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
             const RowOf r = row_of(is_v ? x - kv_elems : x, p.seqlen_new, p.nheads_k, p.headdim);
             const index_t pos = first_row(r.b) + r.j;
             if (pos < 0 || pos >= p.seqlen_cache) continue;  // past the cache: dropped
-            const int entry = p.cache_batch_idx == nullptr
-                                  ? r.b
-                                  : min(max(p.cache_batch_idx[r.b], 0), p.batch_cache - 1);
-            const int row = int(pos);
+            int entry = p.cache_batch_idx == nullptr
+                            ? r.b
+                            : min(max(p.cache_batch_idx[r.b], 0), p.batch_cache - 1);
+            int row = int(pos);
+            if (p.block_table != nullptr) {
+                const int page = p.block_table[r.b * p.block_table_stride + row / p.page_size];
+                entry = min(max(page, 0), p.batch_cache - 1);
+                row %= p.page_size;
+            }
             if (is_v) {
                 static_cast<T*>(p.v_cache)[at(p.v_cache_stride, entry, row, r.h, r.i)] =
                     static_cast<const T*>(p.v)[at(p.v_stride, r.b, r.j, r.h, r.i)];

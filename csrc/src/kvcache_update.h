@@ -32,6 +32,12 @@ struct KVCacheUpdateParams {
     const int* cache_seqlens = nullptr;
     int seqlen_offset = 0;
     const int* cache_batch_idx = nullptr;  // cache entry of batch b (clamped), or b
+    // Paged caches (num_pages, page_size, nheads_k, headdim): row r of batch b is row
+    // r % page_size of page block_table[b * block_table_stride + r / page_size] (clamped);
+    // seqlen_cache is then the table's width times page_size.
+    const int* block_table = nullptr;
+    index_t block_table_stride = 0;
+    int page_size = 0;
     // Rotary tables (seqlen_ro, rotary_dim / 2), contiguous, q's dtype or float32.
     const void* rotary_cos = nullptr;
     const void* rotary_sin = nullptr;

@@ -13,10 +13,14 @@ struct SeqInfo {
     int seqlen_k;
     index_t row_q;  // first row of this sequence in q's row space (batched: bidb * seqlen_q)
     index_t row_k;
-    int bidb_k;  // the K/V batch entry (kv_batch_idx, clamped into K's batch)
+    int bidb_k;  // the K/V batch entry (kv_batch_idx, clamped into K's batch); 0 when paged
+    const int* pages;  // paged K/V: this sequence's row of the block table, else nullptr
 
     __device__ SeqInfo(const AttnShape& p, int bidb) {
-        bidb_k = p.kv_batch_idx == nullptr ? bidb : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
+        bidb_k = p.kv_batch_idx == nullptr ? bidb
+                                           : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
+        pages = p.block_table == nullptr ? nullptr : p.block_table + bidb * p.block_table_stride;
+        if (pages != nullptr) bidb_k = 0;
         if (p.is_varlen()) {
             int q0 = min(max(p.cu_seqlens_q[bidb], 0), p.total_q);
             int q1 = min(max(p.cu_seqlens_q[bidb + 1], q0), p.total_q);
@@ -48,6 +52,15 @@ struct SeqInfo {
     __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int row,
                                 int head) const {
         return offset(s, p, bidb_k, row_k, row, head);
+    }
+
+    // Paged K/V: the page holding key row `row`, and the row within it.
+    __device__ int page(const AttnShape& p, int row) const {
+        return min(max(pages[row / p.page_size], 0), p.num_pages - 1);
+    }
+    // Paged K/V: element offset of key row `row` from its head's in page 0.
+    __device__ index_t page_offset(const TensorStrides& s, const AttnShape& p, int row) const {
+        return index_t(page(p, row)) * s.batch + index_t(row % p.page_size) * s.row;
     }
 
     // lse / softmax_d: batched (b, h, sq), varlen (h, total_q).
