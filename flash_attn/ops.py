@@ -484,14 +484,23 @@ def _kvcache_update_op(
     )
 
 
+# The kernels spell out block_table's default: a traced call leaves trailing defaults out.
 @_kvcache_update_op.register_kernel("cpu")
-def _kvcache_update_cpu(*args: Any) -> Tensor:
-    return reference.kvcache_update_ref(*args)
+def _kvcache_update_cpu(k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset,
+                        cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved,
+                        q_rows_advance, block_table=None) -> Tensor:
+    return reference.kvcache_update_ref(
+        k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
+        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
 
 
 @_kvcache_update_op.register_kernel("cuda")
-def _kvcache_update_cuda(*args: Any) -> Tensor:
-    return load_extension().kvcache_update(*args)
+def _kvcache_update_cuda(k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset,
+                         cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved,
+                         q_rows_advance, block_table=None) -> Tensor:
+    return load_extension().kvcache_update(
+        k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
+        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
 
 
 @_kvcache_update_op.register_fake
