@@ -1,6 +1,7 @@
 // The one torch binding: checks what the kernels rely on, fills the params, picks a registered
 // kernel for the GPU's code path and launches it. Users' mistakes are caught (with friendlier
 // messages) by flash_attn/_validation.py first; these checks keep direct callers safe.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cutlass/version.h>
@@ -219,7 +220,7 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             FA_CHECK(!kv_batch_idx.has_value(),
                      "flash_attn: kv_batch_idx and block_table cannot be used together");
             pb.page_size = k.size(1);
-            FA_CHECK(pb.batch_k > 0 && pb.page_size % 64 == 0,
+            FA_CHECK(pb.batch_k > 0 && pb.page_size >= 64 && pb.page_size % 64 == 0,
                      "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, "
                      "got k of shape ", k.sizes());
             pb.seqlen_k = bt.size(1) * pb.page_size;
@@ -521,6 +522,10 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
                  q.size(2) % k_cache.size(2) == 0,
              "flash_attn: k_cache and v_cache must have shape (batch_cache, seqlen_cache, "
              "nheads_k, headdim) with q's headdim and nheads_k dividing q's nheads");
+    // Written in place by many threads: no element may be written twice.
+    at::assert_no_internal_overlap(k_cache);
+    at::assert_no_internal_overlap(v_cache);
+    at::assert_no_overlap(k_cache, v_cache);
     const int64_t batch = q.size(0);
     auto check_index = [&](const std::optional<at::Tensor>& t, const char* name) {
         FA_CHECK(!t.has_value() || (t->scalar_type() == at::kInt && t->dim() == 1 &&
@@ -536,10 +541,11 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
         const at::Tensor& bt = *block_table;
         FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch &&
                      bt.stride(1) == 1 && bt.device() == q.device() &&
-                     !cache_batch_idx.has_value() && k_cache.size(0) > 0 && k_cache.size(1) > 0,
+                     !cache_batch_idx.has_value() && k_cache.size(0) > 0 && k_cache.size(1) > 0 &&
+                     k_cache.size(1) % 64 == 0,
                  "flash_attn: block_table must be an int32 (batch, max_num_blocks_per_seq) "
                  "tensor with a contiguous last dim, without cache_batch_idx, over a cache of "
-                 "at least one page");
+                 "at least one page of a multiple of 64 rows");
         seqlen_cache = bt.size(1) * k_cache.size(1);
     } else {
         FA_CHECK(cache_batch_idx.has_value() ? (batch == 0 || k_cache.size(0) > 0)
@@ -665,6 +671,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
           py::arg("block_table") = py::none());
     m.def("bwd", &bwd, "attention backward");
-    m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update");
+    m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update",
+          py::arg("k_cache"), py::arg("v_cache"), py::arg("q_rot"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("cache_seqlens"), py::arg("seqlen_offset"),
+          py::arg("cache_batch_idx"), py::arg("rotary_cos"), py::arg("rotary_sin"),
+          py::arg("rotary_interleaved"), py::arg("q_rows_advance"),
+          py::arg("block_table") = py::none());
     m.def("build_info", &build_info, "what this build compiled");
 }

@@ -677,7 +677,7 @@ def validate_kvcache(
                 f"already names each sequence's pages); pass cache_batch_idx=None"
             )
         page = k_cache.shape[1]
-        if page % 64 != 0 or k_cache.shape[0] < 1:
+        if page < 64 or page % 64 != 0 or k_cache.shape[0] < 1:
             raise ValueError(
                 f"{fn}: a paged k_cache must have shape (num_blocks >= 1, page_block_size, "
                 f"nheads_k, headdim) with page_block_size a multiple of 64, got "
@@ -703,6 +703,15 @@ def validate_kvcache(
                 f"{tuple(k.shape)}"
             )
         seqlen_new = k.shape[1]
+        # Written in place: no element of a cache may be another's.
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+                raise ValueError(
+                    f"{fn}: {name} is written in place but has an expanded (stride 0) dim, "
+                    f"strides {tuple(x.stride())}; pass a cache that owns its memory"
+                )
+        if k_cache is v_cache:  # other overlaps: the CUDA binding's check
+            raise ValueError(f"{fn}: k_cache and v_cache are the same tensor; pass two caches")
         if seqlen_new > seqlen_cache:
             raise ValueError(
                 f"{fn}: k has {seqlen_new} new rows but the cache holds only {seqlen_cache} "

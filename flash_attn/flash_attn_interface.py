@@ -492,14 +492,19 @@ def flash_attn_with_kvcache(
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     seqused_k = None
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
     if first is not None:  # one kernel: the new rows written, q rotated, the lengths
         q_rot = torch.empty_like(q) if c.rotary_dim else None
         local = a.causal or a.window_left >= 0 or a.window_right >= 0
-        seqused_k = ops.kvcache_update(
-            k_cache, v_cache, q_rot, q, k, v, first if isinstance(first, Tensor) else None,
-            first if isinstance(first, int) else 0, cache_batch_idx, rotary_cos, rotary_sin,
-            c.rotary_interleaved, local, block_table,
-        )
+        # Not differentiable (a backward with cache_seqlens raises): no graph through it.
+        with torch.no_grad():
+            seqused_k = ops.kvcache_update(
+                k_cache, v_cache, q_rot, q, k, v,
+                first.contiguous() if isinstance(first, Tensor) else None,
+                first if isinstance(first, int) else 0, cache_batch_idx, rotary_cos,
+                rotary_sin, c.rotary_interleaved, local, block_table,
+            )
         q = q if q_rot is None else q_rot
     # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx),
     # and a paged cache's pages through its block table.
@@ -508,7 +513,7 @@ def flash_attn_with_kvcache(
     elif cache_batch_idx is None:
         keys, values, kv_batch_idx = k_cache[:a.batch], v_cache[:a.batch], None
     else:
-        keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx.contiguous()
+        keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx
     out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
                         False, kv_batch_idx, block_table)
     return (out, lse) if c.return_softmax_lse else out
@@ -534,9 +539,11 @@ flash_attn_with_kvcache.__doc__ = """
     that length.
 """ + _GQA_DOC + """
 
-    The cache is read in place, with or without cache_batch_idx. This is an inference API:
-    a backward pass through it raises NotImplementedError whenever cache_seqlens is given
-    (the backward kernels do not take the cache's lengths).
+    The cache is read in place, with or without cache_batch_idx or block_table. This is an
+    inference API: a backward pass through it raises NotImplementedError whenever
+    cache_seqlens or block_table is given (the backward kernels take neither). Sequences that
+    share cache rows (a repeated cache_batch_idx, or pages in several rows of block_table)
+    and append k/v there leave those rows holding any one of their values.
 
     Arguments:
         q: (batch_size, seqlen, nheads, headdim)

@@ -5,8 +5,8 @@
 * ``torch.ops.flash_attn._kvcache_update`` -> ``seqused_k`` (writes the caches and ``q_rot``)
 
 Device implementations: CUDA calls the extension ``flash_attn._C`` (imported lazily, so that
-this module imports without it); CPU runs :mod:`flash_attn.reference`. Both ops have fake
-(meta) implementations, so they trace under ``torch.compile`` as single opaque nodes, and
+this module imports without it); CPU runs :mod:`flash_attn.reference`. Every op has a fake
+(meta) implementation, so it traces under ``torch.compile`` as a single opaque node, and
 ``_fwd`` has an autograd formula that calls ``_bwd``.
 
 The entry points :func:`flash_attn_fwd` / :func:`flash_attn_bwd` call the custom ops while
@@ -16,11 +16,13 @@ dispatcher round trip of the custom op (tens of microseconds per call): through
 ``_FlashAttnFunc``, a ``torch.autograd.Function`` sharing the op's context setup and backward
 formula, when a gradient is needed, else with no autograd at all.
 
-The signatures follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with two differences:
-the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are not exposed
-(the ops are functional, ``mutates_args=()``; the extension is called with ``None`` for them),
-and ``_fwd`` takes a trailing ``deterministic`` flag that the forward ignores and that is handed
-to ``_bwd`` by the autograd formula.
+The signatures of ``_fwd`` / ``_bwd`` follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with
+two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are
+not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
+for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx`` and
+``block_table``) that the forward ignores and that is handed to ``_bwd`` by the autograd
+formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
+``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
 stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),

@@ -444,10 +444,15 @@ def kvcache_update_ref(
     Return:
         seqused_k: int32 (batch,), min(max(first[b] + seqlen_new, 0), seqlen_cache).
     """
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("flash_attn: block_table and cache_batch_idx cannot be used together")
     batch, seqlen_q = q.shape[0], q.shape[1]
     page_size = k_cache.shape[1]
     seqlen_cache = page_size if block_table is None else block_table.shape[1] * page_size
     seqlen_new = 0 if k is None else k.shape[1]
+    if seqlen_new > seqlen_cache:
+        raise ValueError(f"flash_attn: k has {seqlen_new} rows, more than the cache's "
+                         f"{seqlen_cache}")
     first = (torch.full((batch,), seqlen_offset, dtype=torch.long, device=q.device)
              if cache_seqlens is None else cache_seqlens.long())
     if rotary_cos is not None:

@@ -257,18 +257,33 @@ def test_split_kv_decode(mode, monkeypatch):
     check_against_cpu(q, k_cache, v_cache, **kw)
 
 
+def strided_i32(values):
+    """An int32 CUDA tensor of the values as a non-contiguous view (every other element)."""
+    return torch.tensor([[x, -1] for x in values], dtype=torch.int32, device="cuda")[:, 0]
+
+
 def test_cache_batch_idx():
     """Batch b reads and writes entry cache_batch_idx[b] of a larger cache (rotary, GQA 8:2);
-    the entries not indexed keep their bits."""
+    the entries not indexed keep their bits. cache_seqlens and cache_batch_idx are
+    non-contiguous views."""
     torch.manual_seed(2)
     dt, d, sc = torch.bfloat16, 128, 256
-    idx = torch.tensor([4, 0, 5], dtype=torch.int32, device="cuda")
+    idx = strided_i32([4, 0, 5])
     lens = [17, 0, 255]
     q, k_cache, v_cache, k, v = make_inputs(dt, d, 3, 1, 1, sc, 8, 2, lens, batch_cache=6,
                                             cache_batch_idx=idx)
-    check_against_cpu(q, k_cache, v_cache, k=k, v=v,
-                      cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+    check_against_cpu(q, k_cache, v_cache, k=k, v=v, cache_seqlens=strided_i32(lens),
                       cache_batch_idx=idx, **rotary_kwargs("neox", sc, d, dt))
+
+
+def test_cache_batch_idx_plain_kernel():
+    """Non-causal, without cache_seqlens and GQA, tiles that pair into clusters: the SM90
+    plain (cluster) kernel reads entries cache_batch_idx[b] of a larger cache."""
+    torch.manual_seed(11)
+    dt, d, sq, sc = torch.bfloat16, 128, 384, 512
+    q, k_cache, v_cache, _, _ = make_inputs(dt, d, 2, sq, 0, sc, 4, 4, None, batch_cache=3)
+    check_against_cpu(q, k_cache, v_cache,
+                      cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.parametrize("case", ["decode_split", "prefill"])
@@ -331,13 +346,17 @@ def paged(cache, page, perm):
 @pytest.mark.parametrize("d,page", [(64, 64), (64, 128), (128, 64), (128, 128), (128, 256),
                                     (256, 256), (256, 320)])
 @pytest.mark.parametrize("case", ["decode_split", "prefill_rotary"])
-def test_paged_cache(case, d, page, monkeypatch):
+@pytest.mark.parametrize("pack", ["default", "unpacked"])
+def test_paged_cache(pack, case, d, page, monkeypatch):
     """A paged cache (block_table, pages in shuffled order, unused pages NaN) read in place:
     on the Hopper kernels where the page holds whole key blocks (d=64/128: 128 rows, d=256:
     80), else on the SM80 kernels. decode_split: one new row per sequence over a long cache
     (the keys split over SMs); prefill_rotary: a causal chunk of 40 rows written across page
-    boundaries, rotated."""
+    boundaries, rotated. unpacked: FLASH_ATTN_PACK_GQA=0 (the SM90 band kernel, not the
+    packed one)."""
     monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    if pack == "unpacked":
+        monkeypatch.setenv("FLASH_ATTN_PACK_GQA", "0")
     torch.manual_seed(10)
     dt, h, hk = torch.bfloat16, 8, 2
     if case == "decode_split":
@@ -492,6 +511,8 @@ def _all_fp32(a):
 ERROR_CASES = [
     ("block_table_int64", lambda a: dict(block_table=_i32(2, 1).long()), TypeError,
      "block_table"),
+    ("k_cache_expanded", lambda a: dict(k_cache=a["k_cache"][:1].expand_as(a["k_cache"])),
+     ValueError, "k_cache"),
     ("cache_leftpad", lambda a: dict(cache_leftpad=_i32(2)), NotImplementedError,
      "cache_leftpad"),
     ("num_splits", lambda a: dict(num_splits=4), NotImplementedError, "num_splits"),
