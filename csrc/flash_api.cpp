@@ -178,9 +178,12 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     check_cuda_tensor(v, "v", q);
     Problem pb{};
     pb.varlen = cu_seqlens_q.has_value();
+    const bool paged = block_table.has_value();
     const int64_t rank = pb.varlen ? 3 : 4;
-    FA_CHECK(q.dim() == rank && k.dim() == rank && v.dim() == rank, "flash_attn: q, k, v must be ",
-             rank, "-D", pb.varlen ? " (varlen)" : "");
+    const int64_t k_rank = paged ? 4 : rank;  // pages (num_pages, page_size, nheads_k, d)
+    FA_CHECK(q.dim() == rank && k.dim() == k_rank && v.dim() == k_rank,
+             "flash_attn: q must be ", rank, "-D and k, v ", k_rank, "-D",
+             pb.varlen ? " (varlen)" : "", paged ? " (paged)" : "");
     FA_CHECK(k.sizes() == v.sizes(), "flash_attn: k and v must have the same shape");
     pb.headdim = q.size(-1);
     pb.nheads = q.size(-2);
@@ -191,39 +194,47 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     FA_CHECK(pb.nheads > 0 && pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
              "flash_attn: nheads (", pb.nheads, ") must be a multiple of nheads_k (", pb.nheads_k,
              ")");
+    // A paged K/V: pages of a multiple of 64 rows, a table row per sequence; returns the keys
+    // a sequence can hold.
+    auto check_pages = [&]() -> int64_t {
+        const at::Tensor& bt = *block_table;
+        FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == pb.batch &&
+                     bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
+                 "flash_attn: block_table must be an int32 tensor of shape (batch, "
+                 "max_num_blocks_per_seq) on q's device with a contiguous last dim");
+        FA_CHECK(!kv_batch_idx.has_value(),
+                 "flash_attn: kv_batch_idx and block_table cannot be used together");
+        pb.page_size = k.size(1);
+        pb.batch_k = k.size(0);
+        FA_CHECK(pb.batch_k > 0 && pb.page_size >= 64 && pb.page_size % 64 == 0,
+                 "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, "
+                 "got k of shape ", k.sizes());
+        return bt.size(1) * pb.page_size;
+    };
     if (pb.varlen) {
         pb.batch = cu_seqlens_q->numel() - 1;
         check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", pb.batch, q);
         check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", pb.batch, q);
         FA_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0, "flash_attn: max_seqlen must be >= 0");
+        FA_CHECK(!kv_batch_idx.has_value(),
+                 "flash_attn: kv_batch_idx is for batched K/V, not varlen (cu_seqlens) inputs");
         pb.total_q = q.size(0);
-        pb.total_k = k.size(0);
-        // No sequence is longer than its tensor; the kernels clamp each one to max_seqlen.
-        pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
-        pb.seqlen_k = std::min(max_seqlen_k, pb.total_k);
         pb.batch_k = 1;
-        FA_CHECK(!kv_batch_idx.has_value() && !block_table.has_value(),
-                 "flash_attn: kv_batch_idx and block_table are for batched K/V, not varlen "
-                 "(cu_seqlens) inputs");
+        // Paged: cu_seqlens_k counts keys held in pages; a sequence holds at most a table row.
+        const int64_t capacity = paged ? check_pages() : 0;
+        pb.total_k = paged ? pb.batch * capacity : k.size(0);
+        // No sequence is longer than its tensor (or table row); the kernels clamp each one to
+        // max_seqlen.
+        pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);
+        pb.seqlen_k = std::min(max_seqlen_k, paged ? capacity : pb.total_k);
     } else {
         FA_CHECK(!cu_seqlens_k.has_value(), "flash_attn: cu_seqlens_k given without cu_seqlens_q");
         pb.batch = q.size(0);
         pb.seqlen_q = q.size(1);
         pb.seqlen_k = k.size(1);
         pb.batch_k = k.size(0);
-        if (block_table.has_value()) {
-            const at::Tensor& bt = *block_table;
-            FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == pb.batch &&
-                         bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
-                     "flash_attn: block_table must be an int32 tensor of shape (batch, "
-                     "max_num_blocks_per_seq) on q's device with a contiguous last dim");
-            FA_CHECK(!kv_batch_idx.has_value(),
-                     "flash_attn: kv_batch_idx and block_table cannot be used together");
-            pb.page_size = k.size(1);
-            FA_CHECK(pb.batch_k > 0 && pb.page_size >= 64 && pb.page_size % 64 == 0,
-                     "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, "
-                     "got k of shape ", k.sizes());
-            pb.seqlen_k = bt.size(1) * pb.page_size;
+        if (paged) {
+            pb.seqlen_k = check_pages();
         } else if (kv_batch_idx.has_value()) {
             const at::Tensor& idx = *kv_batch_idx;
             FA_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 1 && idx.is_contiguous() &&
@@ -382,8 +393,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     p.o = out.data_ptr();
     p.lse = lse.data_ptr<float>();
     p.q_stride = strides_of(q, pb.varlen);
-    p.k_stride = strides_of(k, pb.varlen);
-    p.v_stride = strides_of(v, pb.varlen);
+    // Pages have batched strides (page, row, head), varlen or not.
+    p.k_stride = strides_of(k, pb.varlen && pb.page_size == 0);
+    p.v_stride = strides_of(v, pb.varlen && pb.page_size == 0);
     p.o_stride = strides_of(out, pb.varlen);
     Workspace workspace{q.options(), {}};
     p.workspace = {&allocate_workspace, &workspace};

@@ -50,7 +50,8 @@ class AttnArgs(NamedTuple):
     """Normalized description of one validated call (immutable).
 
     For varlen calls ``seqlen_q``/``seqlen_k`` are ``max_seqlen_q``/``max_seqlen_k`` and
-    ``total_q``/``total_k`` the numbers of rows; for batched calls ``total_*`` are ``None``.
+    ``total_q``/``total_k`` the numbers of rows; for batched calls ``total_*`` are ``None``,
+    as is ``total_k`` for a paged varlen call (its keys live in pages).
     ``window_left``/``window_right`` are normalized: -1 means unbounded, and ``causal`` forces
     ``window_right = 0`` (docs/INTERNALS.md). A NamedTuple rather than a frozen dataclass: it
     is built on every call, several times faster.
@@ -171,9 +172,11 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
         )
 
 
-def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True):
+def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True,
+                       paged: bool = False):
     """Type / device / dtype / rank / shape checks shared by the batched and varlen paths
-    (`same_batch` False: k and v may hold more sequences than q, as a KV cache does).
+    (`same_batch` False: k and v may hold more sequences than q, as a KV cache does; `paged`:
+    varlen q with k and v in pages (num_blocks, page_block_size, nheads_k, headdim)).
 
     Returns (nheads, nheads_k, headdim, device_type)."""
     nq, nk, nv = names
@@ -196,7 +199,11 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
     _check_float_dtype(fn, nq, q, device_type)
     _check_same_dtype(fn, nq, q, nk, k)
     _check_same_dtype(fn, nq, q, nv, v)
-    if varlen:
+    if varlen and paged:
+        _check_rank(fn, nq, q, 3, "(total_q, nheads, headdim)")
+        _check_rank(fn, nk, k, 4, "(num_blocks, page_block_size, nheads_k, headdim)")
+        _check_rank(fn, nv, v, 4, "(num_blocks, page_block_size, nheads_k, headdim)")
+    elif varlen:
         _check_rank(fn, nq, q, 3, "(total_q, nheads, headdim)")
         _check_rank(fn, nk, k, 3, "(total_k, nheads_k, headdim)")
         _check_rank(fn, nv, v, 3, "(total_k, nheads_k, headdim)")
@@ -513,13 +520,11 @@ def validate_varlen_qkv(
     max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
     grad_tensors: Optional[Tuple[Tensor, ...]] = None,
 ) -> AttnArgs:
-    """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,)."""
-    if block_table is not None:
-        raise NotImplementedError(
-            f"{fn}: block_table (paged KV cache) is not implemented; pass block_table=None"
-        )
+    """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,);
+    with block_table (b, max_num_blocks_per_seq), k/v (num_blocks, page_block_size, hk, d)."""
+    paged = block_table is not None
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
-                                                                varlen=True)
+                                                                varlen=True, paged=paged)
     nq, nk = names[0], names[1]
     cq, ck = cu_names
     _check_cu_seqlens(fn, cq, cu_seqlens_q, nq, q)
@@ -531,6 +536,14 @@ def validate_varlen_qkv(
         )
     mq = _check_max_seqlen(fn, max_names[0], max_seqlen_q)
     mk = _check_max_seqlen(fn, max_names[1], max_seqlen_k)
+    batch = cu_seqlens_q.shape[0] - 1
+    if paged:
+        capacity = _check_block_table(fn, block_table, q, batch, nk, k)
+        if return_attn_probs:
+            raise NotImplementedError(
+                f"{fn}: return_attn_probs=True with block_table is not implemented; pass "
+                f"return_attn_probs=False"
+            )
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs,
@@ -540,11 +553,28 @@ def validate_varlen_qkv(
     if check_values and not _is_compiling():
         _check_cu_seqlens_values(fn, cq, cu_seqlens_q, q.shape[0], nq, "total_q", max_names[0],
                                  mq)
-        _check_cu_seqlens_values(fn, ck, cu_seqlens_k, k.shape[0], nk, "total_k", max_names[1],
-                                 mk)
+        if paged:
+            # The keys are the pages': cu_seqlens_k ends wherever its lengths sum to, and
+            # no sequence is longer than its row of the table holds.
+            total_k = int(cu_seqlens_k[-1])
+            _check_cu_seqlens_values(fn, ck, cu_seqlens_k, total_k, nk, "total_k",
+                                     max_names[1], mk)
+            lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+            if lens and max(lens) > capacity:
+                raise ValueError(
+                    f"{fn}: a sequence of {max(lens)} keys ({ck}) is longer than its row of "
+                    f"block_table holds ({capacity} = max_num_blocks_per_seq * "
+                    f"page_block_size)"
+                )
+            _check_index_values(fn, "block_table", block_table, k.shape[0],
+                                 f"[0, num_blocks) = [0, {k.shape[0]})")
+        else:
+            _check_cu_seqlens_values(fn, ck, cu_seqlens_k, k.shape[0], nk, "total_k",
+                                     max_names[1], mk)
     return AttnArgs(
-        varlen=True, batch=cu_seqlens_q.shape[0] - 1, seqlen_q=mq, seqlen_k=mk,
-        total_q=q.shape[0], total_k=k.shape[0], nheads=nheads, nheads_k=nheads_k,
+        varlen=True, batch=batch, seqlen_q=mq, seqlen_k=mk,
+        total_q=q.shape[0], total_k=None if paged else k.shape[0], nheads=nheads,
+        nheads_k=nheads_k,
         headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
     )
@@ -604,6 +634,32 @@ def _check_cache_index(fn: str, name: str, x, q: Tensor, batch: int) -> None:
     _check_same_device(fn, "q", q, name, x)
 
 
+def _check_block_table(fn: str, block_table, q: Tensor, batch: int, k_name: str, k) -> int:
+    """block_table int32 (batch, max_num_blocks_per_seq >= 1) on q's device over a paged k
+    (num_blocks >= 1, page_block_size, nheads_k, headdim), page_block_size a positive
+    multiple of 64. Returns the keys a sequence can hold: the table's width times the page."""
+    _check_tensor(fn, "block_table", block_table)
+    _check_same_device(fn, "q", q, "block_table", block_table)
+    if block_table.dtype != torch.int32:
+        raise TypeError(
+            f"{fn}: block_table must be an int32 tensor of shape (batch, "
+            f"max_num_blocks_per_seq), got {block_table.dtype}; convert with "
+            f"block_table.to(torch.int32)"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(
+            f"{fn}: block_table must have shape (batch, max_num_blocks_per_seq) = ({batch}, "
+            f">= 1), got {tuple(block_table.shape)}"
+        )
+    page = k.shape[1]
+    if page < 64 or page % 64 != 0 or k.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: a paged {k_name} must have shape (num_blocks >= 1, page_block_size, "
+            f"nheads_k, headdim) with page_block_size a multiple of 64, got {tuple(k.shape)}"
+        )
+    return block_table.shape[1] * page
+
+
 def _check_index_values(fn: str, name: str, x: Tensor, end: int, interval: str) -> None:
     """Every entry of the 1-D or 2-D int tensor x in [0, end), `interval` naming that range in
     the error (a device sync on CUDA)."""
@@ -658,32 +714,12 @@ def validate_kvcache(
     )
     batch, seqlen_cache = q.shape[0], k_cache.shape[1]
     if block_table is not None:
-        _check_tensor(fn, "block_table", block_table)
-        _check_same_device(fn, "q", q, "block_table", block_table)
-        if block_table.dtype != torch.int32:
-            raise TypeError(
-                f"{fn}: block_table must be an int32 tensor of shape (batch, "
-                f"max_num_blocks_per_seq), got {block_table.dtype}; convert with "
-                f"block_table.to(torch.int32)"
-            )
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-            raise ValueError(
-                f"{fn}: block_table must have shape (batch, max_num_blocks_per_seq) = ({batch}, "
-                f">= 1), got {tuple(block_table.shape)}"
-            )
         if cache_batch_idx is not None:
             raise ValueError(
                 f"{fn}: cache_batch_idx cannot be used with block_table (the block table "
                 f"already names each sequence's pages); pass cache_batch_idx=None"
             )
-        page = k_cache.shape[1]
-        if page < 64 or page % 64 != 0 or k_cache.shape[0] < 1:
-            raise ValueError(
-                f"{fn}: a paged k_cache must have shape (num_blocks >= 1, page_block_size, "
-                f"nheads_k, headdim) with page_block_size a multiple of 64, got "
-                f"{tuple(k_cache.shape)}"
-            )
-        seqlen_cache = block_table.shape[1] * page
+        seqlen_cache = _check_block_table(fn, block_table, q, batch, "k_cache", k_cache)
     # With cache_batch_idx any entry may serve any batch, and pages any sequence: one is enough.
     need = batch if cache_batch_idx is None and block_table is None else min(batch, 1)
     if k_cache.shape[0] < need:

@@ -15,8 +15,8 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0``, ``alibi_slopes`` and ``block_table`` of ``flash_attn_varlen_func`` raise
-  ``NotImplementedError``, as does ``deterministic=True`` when a CUDA backward will be needed.
+* ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``, as does
+  ``deterministic=True`` when a CUDA backward will be needed.
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ def _attention(
     max_seqlen_k: int,
     deterministic: bool,
     return_attn_probs: bool,
+    block_table: Optional[Tensor] = None,
 ):
     out, lse = _forward(q, k, v, a, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
-                        max_seqlen_k, deterministic)
+                        max_seqlen_k, deterministic, block_table=block_table)
     if not return_attn_probs:
         return out
     probs = reference.attention_probs_ref(
@@ -426,8 +427,10 @@ def flash_attn_varlen_func(
         deterministic=deterministic, return_attn_probs=return_attn_probs,
         block_table=block_table,
     )
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
     return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      deterministic, return_attn_probs)
+                      deterministic, return_attn_probs, block_table)
 
 
 flash_attn_varlen_func.__doc__ = (
@@ -443,19 +446,25 @@ flash_attn_varlen_func.__doc__ = (
         q: (total_q, nheads, headdim), where total_q = total number of query tokens in the
             batch.
         k: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
-            batch.
+            batch; or (num_blocks, page_block_size, nheads_k, headdim) if there's a
+            block_table (i.e. paged KV cache).
         v: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
-            batch.
+            batch; or (num_blocks, page_block_size, nheads_k, headdim) if there's a
+            block_table.
         cu_seqlens_q: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
             of the sequences in the batch, used to index into q.
         cu_seqlens_k: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
-            of the sequences in the batch, used to index into kv.
+            of the sequences in the batch, used to index into kv (with a block_table: the
+            key lengths, each at most max_num_blocks_per_seq * page_block_size).
         max_seqlen_q: int. Maximum query sequence length in the batch.
         max_seqlen_k: int. Maximum key sequence length in the batch."""
     + _COMMON_ARGS_DOC
     + """
-        block_table: must be None (paged KV cache is not implemented;
-            anything else raises NotImplementedError)."""
+        block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Key
+            row r of sequence b is row r % page_block_size of page block_table[b, r //
+            page_block_size] of k and v; page_block_size a multiple of 64 (the pages' rules
+            of flash_attn_with_kvcache). Forward only (a backward raises
+            NotImplementedError), without return_attn_probs."""
     + _VARLEN_RETURN
 )
 

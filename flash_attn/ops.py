@@ -190,8 +190,10 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
              kv_batch_idx=None, block_table=None):
     if kv_batch_idx is not None:
         k, v = _gather_kv(k, v, kv_batch_idx)
-    if block_table is not None:
+    if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
+    elif block_table is not None:
+        k, v = (reference.unpage_varlen(x, block_table, cu_seqlens_k) for x in (k, v))
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap,

@@ -38,6 +38,7 @@ __all__ = [
     "keep_mask",
     "kvcache_update_ref",
     "unpage",
+    "unpage_varlen",
 ]
 
 
@@ -407,6 +408,15 @@ def unpage(x: Tensor, block_table: Tensor) -> Tensor:
     max_num_blocks_per_seq) describes; page indices are clamped into the pages."""
     pages = block_table.long().clamp(0, x.shape[0] - 1)
     return x[pages].flatten(1, 2)
+
+
+def unpage_varlen(x: Tensor, block_table: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+    """A paged K or V (num_pages, page_size, nheads_k, headdim) as the varlen
+    (total_k, nheads_k, headdim) that cu_seqlens_k describes: sequence b's
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys are the first rows of its pages."""
+    full = unpage(x, block_table)
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp(0, full.shape[1]).tolist()
+    return torch.cat([full[b, :n] for b, n in enumerate(lens)] + [full[:0, 0]])
 
 
 def kvcache_update_ref(

@@ -11,6 +11,7 @@ implementation rotates in.
 """
 
 import inspect
+import itertools
 import math
 import os
 import re
@@ -533,6 +534,63 @@ def test_paged_cache(sq, sn, rotary):
     flat = table.reshape(-1).long()
     torch.testing.assert_close(k_pages[flat].reshape(k_cache.shape), k_cache, atol=0, rtol=0)
     torch.testing.assert_close(v_pages[flat].reshape(v_cache.shape), v_cache, atol=0, rtol=0)
+
+
+def varlen_paged(lens, page, hk, d, spare=1):
+    """Varlen k and v (sum(lens), hk, d), their cu_seqlens_k, and the same keys in shuffled
+    pages (rows past a sequence's keys and `spare` unused pages NaN) with their block table
+    (len(lens), max pages per sequence)."""
+    k, v = grid_rand(sum(lens), hk, d), grid_rand(sum(lens), hk, d)
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+    width = max(1, max(-(-n // page) for n in lens))
+    table = torch.randperm(len(lens) * width + spare)[:len(lens) * width].reshape(len(lens),
+                                                                                 width)
+    paged = []
+    for x in (k, v):
+        pages = torch.full((len(lens) * width + spare, page, hk, d), float("nan"), dtype=F64)
+        for b, n in enumerate(lens):
+            rows = x[int(cu[b]):int(cu[b + 1])]
+            for i in range(0, n, page):
+                pages[table[b, i // page], :min(page, n - i)] = rows[i:i + page]
+        paged.append(pages)
+    return k, v, cu, paged[0], paged[1], table.to(torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_paged(causal):
+    """flash_attn_varlen_func with block_table (keys in shuffled pages of 64 rows) gives the
+    results of the same keys held as varlen tensors; a sequence may hold no key."""
+    torch.manual_seed(21)
+    lens_q, lens_k, h, hk, d = [5, 1, 70, 3], [130, 0, 70, 64], 4, 2, 16
+    q = grid_rand(sum(lens_q), h, d)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    k, v, cu_k, k_pages, v_pages, table = varlen_paged(lens_k, 64, hk, d)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out = flash_attn.flash_attn_varlen_func(q, k, v, *args, causal=causal)
+    out_p = flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=causal,
+                                              block_table=table)
+    torch.testing.assert_close(out_p, out, **TOL)
+
+
+def test_varlen_paged_errors():
+    """A sequence longer than its table row, return_attn_probs, and a backward pass are
+    refused with named errors."""
+    torch.manual_seed(22)
+    q = grid_rand(4, 2, 16)
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    _, _, cu_k, pages, _, table = varlen_paged([64, 10], 64, 2, 16)
+    with pytest.raises(ValueError, match=r"block_table"):
+        flash_attn.flash_attn_varlen_func(q, pages, pages.clone(), cu_q,
+                                          torch.tensor([0, 65, 75], dtype=torch.int32), 2, 65,
+                                          block_table=table)
+    with pytest.raises(NotImplementedError, match=arg_re("return_attn_probs")):
+        flash_attn.flash_attn_varlen_func(q, pages, pages.clone(), cu_q, cu_k, 2, 64,
+                                          block_table=table, return_attn_probs=True)
+    qg = q.clone().requires_grad_()
+    out = flash_attn.flash_attn_varlen_func(qg, pages, pages.clone(), cu_q, cu_k, 2, 64,
+                                            block_table=table)
+    with pytest.raises(NotImplementedError, match=r"block_table"):
+        out.sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -273,10 +273,12 @@ def test_max_seqlen_type():
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq + 3, mk + 1)
 
 
-def test_block_table_not_implemented():
+def test_block_table_needs_paged_k():
+    """With block_table, k and v are pages (num_blocks, page_block_size, nheads_k, headdim):
+    a varlen (total_k, nheads_k, headdim) k is refused, naming k."""
     torch.manual_seed(9)
     q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
-    with raises(NotImplementedError, "flash_attn_varlen_func", "block_table"):
+    with raises(ValueError, "flash_attn_varlen_func", "k", "num_blocks"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk,
                                block_table=torch.zeros(2, 1, dtype=torch.int32))
 

@@ -322,3 +322,53 @@ def test_seqused_k_ignores_unused_cache_rows(d):
     k = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
     v = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
     check_seqused_k(q, k, v, [300, 1, 123], causal=False, check_lse=False)
+
+
+def to_pages(x: torch.Tensor, lengths: Sequence[int], page: int, perm: List[int]):
+    """Varlen keys x (sum(lengths), hk, d) in pages (len(perm), page, hk, d), sequence b's
+    block i in page perm[b * width + i] (width: the most blocks a sequence needs); rows past
+    a sequence's keys and unused pages hold NaN. Returns the pages and the block table."""
+    width = max(1, max(-(-n // page) for n in lengths))
+    table = torch.tensor(perm[:len(lengths) * width], dtype=torch.int32,
+                         device=x.device).reshape(len(lengths), width)
+    pages = torch.full((len(perm), page, *x.shape[1:]), float("nan"), dtype=x.dtype,
+                       device=x.device)
+    start = 0
+    for b, n in enumerate(lengths):
+        for i in range(0, n, page):
+            m = min(page, n - i)
+            pages[int(table[b, i // page]), :m] = x[start + i:start + i + m]
+        start += n
+    return pages, table
+
+
+@pytest.mark.parametrize("pack", ["default", "unpacked"])
+@pytest.mark.parametrize("d,page", [(64, 64), (64, 128), (128, 128), (128, 256), (256, 256),
+                                    (256, 320)])
+@pytest.mark.parametrize("lens", ["mixed", "long"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_paged(causal, lens, d, page, pack, monkeypatch):
+    """flash_attn_varlen_func with block_table: the keys of LENGTHS in shuffled pages (rows
+    past a sequence's keys NaN) against the reference on the varlen keys. The SM90 kernels
+    read pages that hold whole key blocks (128 rows to d=128, 80 to d=256), the SM80 kernels
+    the others. unpacked: FLASH_ATTN_PACK_GQA=0."""
+    if pack == "unpacked":
+        monkeypatch.setenv("FLASH_ATTN_PACK_GQA", "0")
+    torch.manual_seed(23)
+    lq, lk = LENGTHS[lens]
+    h, hk, dt = 6, 2, torch.bfloat16
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q = rand(sum(lq), h, d, dtype=dt, requires_grad=False)
+    k = rand(sum(lk), hk, d, dtype=dt, requires_grad=False)
+    v = rand(sum(lk), hk, d, dtype=dt, requires_grad=False)
+    width = max(1, max(-(-n // page) for n in lk))
+    perm = torch.randperm(len(lk) * width + 3).tolist()
+    k_pages, table = to_pages(k, lk, page, perm)
+    v_pages, _ = to_pages(v, lk, page, perm)
+    out = flash_attn_varlen_func(q, k_pages, v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(lq), max_seqlen_k=max(lk), causal=causal,
+                                 block_table=table)
+    rk = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    out_ref, _ = attention_ref(q, k, v, compute_dtype=REF_DTYPE, **rk)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **rk)
+    assert_accuracy("out", out, out_ref, out_pt, 2)

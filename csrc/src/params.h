@@ -38,10 +38,11 @@ struct AttnShape {
     // V, which then have batch_k entries (a KV cache indexed by cache_batch_idx).
     const int* kv_batch_idx = nullptr;
     int batch_k = 0;  // entries of K and V (batched); batch without kv_batch_idx
-    // Forward only, batched only, optional: paged K/V of shape (num_pages, page_size,
-    // nheads_k, d). Key row r of batch b is row r % page_size of page
-    // block_table[b * block_table_stride + r / page_size] (clamped into the pages); seqlen_k
-    // is the table's width times page_size, and page_size a multiple of the key block.
+    // Forward only, optional: paged K/V of shape (num_pages, page_size, nheads_k, d). Key row
+    // r of batch b is row r % page_size of page block_table[b * block_table_stride +
+    // r / page_size] (clamped into the pages); batched, seqlen_k is the table's width times
+    // page_size (varlen: cu_seqlens_k counts the keys), and page_size a multiple of the key
+    // block.
     const int* block_table = nullptr;
     index_t block_table_stride = 0;
     int page_size = 0;

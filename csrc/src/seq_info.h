@@ -27,7 +27,7 @@ struct SeqInfo {
             int k0 = min(max(p.cu_seqlens_k[bidb], 0), p.total_k);
             int k1 = min(max(p.cu_seqlens_k[bidb + 1], k0), p.total_k);
             row_q = q0;
-            row_k = k0;
+            row_k = p.block_table == nullptr ? k0 : 0;  // paged: the table finds the rows
             seqlen_q = q1 - q0;
             seqlen_k = k1 - k0;
         } else {
