@@ -222,7 +222,9 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         pb.batch_k = 1;
         // Paged: cu_seqlens_k counts keys held in pages; a sequence holds at most a table row.
         const int64_t capacity = paged ? check_pages() : 0;
-        pb.total_k = paged ? pb.batch * capacity : k.size(0);
+        // Paged, total_k only bounds cu_seqlens_k (SeqInfo's clamp): capped to stay in int.
+        pb.total_k = paged ? std::min<int64_t>(pb.batch * capacity, (int64_t(1) << 31) - 1)
+                           : k.size(0);
         // No sequence is longer than its tensor (or table row); the kernels clamp each one to
         // max_seqlen.
         pb.seqlen_q = std::min(max_seqlen_q, pb.total_q);

@@ -560,12 +560,13 @@ def validate_varlen_qkv(
             _check_cu_seqlens_values(fn, ck, cu_seqlens_k, total_k, nk, "total_k",
                                      max_names[1], mk)
             lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-            if lens and max(lens) > capacity:
-                raise ValueError(
-                    f"{fn}: a sequence of {max(lens)} keys ({ck}) is longer than its row of "
-                    f"block_table holds ({capacity} = max_num_blocks_per_seq * "
-                    f"page_block_size)"
-                )
+            for b, n in enumerate(lens):
+                if n > capacity:
+                    raise ValueError(
+                        f"{fn}: sequence {b} has {n} keys ({ck}[{b + 1}] - {ck}[{b}]), more "
+                        f"than its row of block_table holds ({capacity} = "
+                        f"max_num_blocks_per_seq * page_block_size)"
+                    )
             _check_index_values(fn, "block_table", block_table, k.shape[0],
                                  f"[0, num_blocks) = [0, {k.shape[0]})")
         else:

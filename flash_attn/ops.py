@@ -193,7 +193,12 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
     if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
     elif block_table is not None:
-        k, v = (reference.unpage_varlen(x, block_table, cu_seqlens_k) for x in (k, v))
+        # Sequence b's keys are its pages' first rows, as many as the kernels count; packed
+        # back to back, the reference reads them through cu_seqlens_k rebuilt from the counts.
+        lens = reference.paged_key_counts(cu_seqlens_k, block_table.shape[1] * k.shape[1],
+                                          max_seqlen_k)
+        k, v = (reference.unpage_varlen(x, block_table, lens) for x in (k, v))
+        cu_seqlens_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap,

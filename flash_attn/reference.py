@@ -39,6 +39,7 @@ __all__ = [
     "kvcache_update_ref",
     "unpage",
     "unpage_varlen",
+    "paged_key_counts",
 ]
 
 
@@ -410,13 +411,24 @@ def unpage(x: Tensor, block_table: Tensor) -> Tensor:
     return x[pages].flatten(1, 2)
 
 
-def unpage_varlen(x: Tensor, block_table: Tensor, cu_seqlens_k: Tensor) -> Tensor:
-    """A paged K or V (num_pages, page_size, nheads_k, headdim) as the varlen
-    (total_k, nheads_k, headdim) that cu_seqlens_k describes: sequence b's
-    cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys are the first rows of its pages."""
+def paged_key_counts(cu_seqlens_k: Tensor, capacity: int, max_seqlen_k: int) -> Tensor:
+    """The keys of each sequence of a paged varlen call, as the kernels count them from any
+    cu_seqlens_k: offsets clamped into [0, total] (total = batch * capacity, capped below
+    2^31) and nondecreasing, each count at most min(max_seqlen_k, capacity), where capacity
+    is the table's width times the page size."""
+    cu = cu_seqlens_k.long()
+    total = min((cu.shape[0] - 1) * capacity, 2**31 - 1)
+    k0 = cu[:-1].clamp(0, total)
+    k1 = torch.maximum(cu[1:], k0).clamp(max=total)
+    return (k1 - k0).clamp(max=min(max_seqlen_k, capacity))
+
+
+def unpage_varlen(x: Tensor, block_table: Tensor, lens: Tensor) -> Tensor:
+    """A paged K or V (num_pages, page_size, nheads_k, headdim) as varlen
+    (sum(lens), nheads_k, headdim): sequence b's lens[b] keys are the first rows of its
+    pages."""
     full = unpage(x, block_table)
-    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp(0, full.shape[1]).tolist()
-    return torch.cat([full[b, :n] for b, n in enumerate(lens)] + [full[:0, 0]])
+    return torch.cat([full[b, :n] for b, n in enumerate(lens.tolist())] + [full[:0, 0]])
 
 
 def kvcache_update_ref(

@@ -372,3 +372,29 @@ def test_varlen_paged(causal, lens, d, page, pack, monkeypatch):
     out_ref, _ = attention_ref(q, k, v, compute_dtype=REF_DTYPE, **rk)
     out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, **rk)
     assert_accuracy("out", out, out_ref, out_pt, 2)
+
+
+def test_varlen_paged_inconsistent_lengths():
+    """Unvalidated cu_seqlens_k of a paged call (not starting at 0, a sequence longer than its
+    table row, a decreasing offset), through the op without the Python checks: no fault, and
+    the kernels count each sequence's keys as the CPU op does (clamped offsets, at most
+    min(max_seqlen_k, the row's capacity))."""
+    from flash_attn import ops
+
+    torch.manual_seed(24)
+    h, hk, d, page, dt = 4, 2, 64, 64, torch.bfloat16
+    q = rand(30, h, d, dtype=dt, requires_grad=False)
+    k_pages = rand(7, page, hk, d, dtype=dt, requires_grad=False)
+    v_pages = rand(7, page, hk, d, dtype=dt, requires_grad=False)
+    table = torch.tensor([[4, 1], [0, 6], [2, 3]], dtype=torch.int32, device="cuda")
+    cu_q = cu_seqlens([10, 10, 10])
+    cu_k = torch.tensor([3, 10, 300, 5], dtype=torch.int32, device="cuda")
+    args = (None, 10, 200, d ** -0.5, False, -1, -1, 0.0, False, None, table)
+    out, lse = ops.flash_attn_fwd(q, k_pages, v_pages, cu_q, cu_k, *args)
+    torch.cuda.synchronize()
+    cpu = [x.cpu().double() if x.is_floating_point() else x.cpu()
+           for x in (q, k_pages, v_pages, cu_q, cu_k)]
+    out_ref, lse_ref = ops.flash_attn_fwd(*cpu, None, 10, 200, d ** -0.5, False, -1, -1, 0.0,
+                                          False, None, table.cpu())
+    torch.testing.assert_close(out.double().cpu(), out_ref, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.double().cpu(), lse_ref.double(), atol=1e-2, rtol=0)
