@@ -150,6 +150,31 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& 
              t.scalar_type(), ", q has ", q.scalar_type());
 }
 
+// An optional per-sequence int32 tensor (seqused_k, kv_batch_idx, cache_seqlens, ...).
+void check_batch_ints(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                      const at::Tensor& q) {
+    FA_CHECK(!t.has_value() ||
+                 (t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous() &&
+                  t->numel() == batch && t->device() == q.device()),
+             "flash_attn: ", name, " must be a contiguous int32 tensor of shape (batch,) on q's "
+             "device");
+}
+
+// A paged K/V `k` (num_pages >= 1, page_size, nheads_k, d) and its block_table (batch,
+// max_num_blocks_per_seq >= 1), last dim contiguous; pages of a positive multiple of 64 rows.
+// Returns the keys a sequence can hold.
+int64_t check_block_table(const at::Tensor& bt, int64_t batch, const at::Tensor& k,
+                          const at::Tensor& q) {
+    FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch &&
+                 bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
+             "flash_attn: block_table must be an int32 tensor of shape (batch, "
+             "max_num_blocks_per_seq) on q's device with a contiguous last dim");
+    FA_CHECK(k.size(0) > 0 && k.size(1) >= 64 && k.size(1) % 64 == 0,
+             "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, got a "
+             "cache of shape ", k.sizes());
+    return bt.size(1) * k.size(1);
+}
+
 void check_cu_seqlens(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
                       const at::Tensor& q) {
     FA_CHECK(t.has_value(), "flash_attn: ", name, " is required for varlen inputs");
@@ -197,19 +222,11 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     // A paged K/V: pages of a multiple of 64 rows, a table row per sequence; returns the keys
     // a sequence can hold.
     auto check_pages = [&]() -> int64_t {
-        const at::Tensor& bt = *block_table;
-        FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == pb.batch &&
-                     bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
-                 "flash_attn: block_table must be an int32 tensor of shape (batch, "
-                 "max_num_blocks_per_seq) on q's device with a contiguous last dim");
         FA_CHECK(!kv_batch_idx.has_value(),
                  "flash_attn: kv_batch_idx and block_table cannot be used together");
         pb.page_size = k.size(1);
         pb.batch_k = k.size(0);
-        FA_CHECK(pb.batch_k > 0 && pb.page_size >= 64 && pb.page_size % 64 == 0,
-                 "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, "
-                 "got k of shape ", k.sizes());
-        return bt.size(1) * pb.page_size;
+        return check_block_table(*block_table, pb.batch, k, q);
     };
     if (pb.varlen) {
         pb.batch = cu_seqlens_q->numel() - 1;
@@ -238,11 +255,7 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if (paged) {
             pb.seqlen_k = check_pages();
         } else if (kv_batch_idx.has_value()) {
-            const at::Tensor& idx = *kv_batch_idx;
-            FA_CHECK(idx.scalar_type() == at::kInt && idx.dim() == 1 && idx.is_contiguous() &&
-                         idx.numel() == pb.batch && idx.device() == q.device(),
-                     "flash_attn: kv_batch_idx must be a contiguous int32 tensor of shape "
-                     "(batch,) on q's device");
+            check_batch_ints(kv_batch_idx, "kv_batch_idx", pb.batch, q);
             FA_CHECK(pb.batch_k > 0, "flash_attn: kv_batch_idx needs k with at least one entry");
         } else {
             FA_CHECK(pb.batch_k == pb.batch, "flash_attn: q and k batch sizes differ");
@@ -374,14 +387,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     flash::FwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
                softcap);
-    if (seqused_k.has_value()) {
-        FA_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->dim() == 1 &&
-                     seqused_k->is_contiguous() && seqused_k->numel() == pb.batch &&
-                     seqused_k->device() == q.device(),
-                 "flash_attn: seqused_k must be a contiguous int32 tensor of shape (batch,) on "
-                 "q's device");
-        p.seqused_k = seqused_k->data_ptr<int>();
-    }
+    check_batch_ints(seqused_k, "seqused_k", pb.batch, q);
+    if (seqused_k.has_value()) p.seqused_k = seqused_k->data_ptr<int>();
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
@@ -541,26 +548,13 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     at::assert_no_internal_overlap(v_cache);
     at::assert_no_overlap(k_cache, v_cache);
     const int64_t batch = q.size(0);
-    auto check_index = [&](const std::optional<at::Tensor>& t, const char* name) {
-        FA_CHECK(!t.has_value() || (t->scalar_type() == at::kInt && t->dim() == 1 &&
-                                    t->is_contiguous() && t->numel() == batch &&
-                                    t->device() == q.device()),
-                 "flash_attn: ", name,
-                 " must be a contiguous int32 tensor of shape (batch,) on q's device");
-    };
-    check_index(cache_seqlens, "cache_seqlens");
-    check_index(cache_batch_idx, "cache_batch_idx");
+    check_batch_ints(cache_seqlens, "cache_seqlens", batch, q);
+    check_batch_ints(cache_batch_idx, "cache_batch_idx", batch, q);
     int64_t seqlen_cache = k_cache.size(1);
     if (block_table.has_value()) {
-        const at::Tensor& bt = *block_table;
-        FA_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == batch &&
-                     bt.stride(1) == 1 && bt.device() == q.device() &&
-                     !cache_batch_idx.has_value() && k_cache.size(0) > 0 && k_cache.size(1) > 0 &&
-                     k_cache.size(1) % 64 == 0,
-                 "flash_attn: block_table must be an int32 (batch, max_num_blocks_per_seq) "
-                 "tensor with a contiguous last dim, without cache_batch_idx, over a cache of "
-                 "at least one page of a multiple of 64 rows");
-        seqlen_cache = bt.size(1) * k_cache.size(1);
+        FA_CHECK(!cache_batch_idx.has_value(),
+                 "flash_attn: cache_batch_idx and block_table cannot be used together");
+        seqlen_cache = check_block_table(*block_table, batch, k_cache, q);
     } else {
         FA_CHECK(cache_batch_idx.has_value() ? (batch == 0 || k_cache.size(0) > 0)
                                              : k_cache.size(0) >= batch,

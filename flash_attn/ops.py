@@ -189,7 +189,8 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
              kv_batch_idx=None, block_table=None):
     if kv_batch_idx is not None:
-        k, v = _gather_kv(k, v, kv_batch_idx)
+        idx = _kv_entries(kv_batch_idx, k)
+        k, v = k[idx], v[idx]
     if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
     elif block_table is not None:
@@ -205,11 +206,10 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
     )
 
 
-def _gather_kv(k: Tensor, v: Tensor, kv_batch_idx: Tensor) -> Tuple[Tensor, Tensor]:
-    """K/V entries kv_batch_idx[b] for each query batch b, clamped into K's batch (as the
-    kernels read them)."""
-    idx = kv_batch_idx.long().clamp(0, k.shape[0] - 1)
-    return k[idx], v[idx]
+def _kv_entries(kv_batch_idx: Tensor, k: Tensor) -> Tensor:
+    """The K/V entry of each query batch, kv_batch_idx clamped into K's batch (as the kernels
+    read them), as int64 indices."""
+    return kv_batch_idx.long().clamp(0, k.shape[0] - 1)
 
 
 def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -394,14 +394,14 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
         dout = dout.contiguous()
-    keys, values = (k, v) if kv_batch_idx is None else _gather_kv(k, v, kv_batch_idx)
+    idx = None if kv_batch_idx is None else _kv_entries(kv_batch_idx, k)
+    keys, values = (k, v) if idx is None else (k[idx], v[idx])
     dq, dk, dv = flash_attn_bwd(
         dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
         ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left, ctx.window_right,
         ctx.softcap, ctx.deterministic,
     )
-    if kv_batch_idx is not None:  # entries read by several query batches sum their gradients
-        idx = kv_batch_idx.long().clamp(0, k.shape[0] - 1)
+    if idx is not None:  # entries read by several query batches sum their gradients
         dk = torch.zeros_like(k).index_add_(0, idx, dk)
         dv = torch.zeros_like(v).index_add_(0, idx, dv)
     return (dq, dk, dv) + (None,) * 13

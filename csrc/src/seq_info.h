@@ -17,10 +17,10 @@ struct SeqInfo {
     const int* pages;  // paged K/V: this sequence's row of the block table, else nullptr
 
     __device__ SeqInfo(const AttnShape& p, int bidb) {
-        bidb_k = p.kv_batch_idx == nullptr ? bidb
-                                           : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
         pages = p.block_table == nullptr ? nullptr : p.block_table + bidb * p.block_table_stride;
-        if (pages != nullptr) bidb_k = 0;
+        bidb_k = pages != nullptr             ? 0
+                 : p.kv_batch_idx == nullptr ? bidb
+                                             : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
         if (p.is_varlen()) {
             int q0 = min(max(p.cu_seqlens_q[bidb], 0), p.total_q);
             int q1 = min(max(p.cu_seqlens_q[bidb + 1], q0), p.total_q);
