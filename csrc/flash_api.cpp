@@ -343,9 +343,16 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
                             std::optional<at::Tensor> kv_batch_idx,
-                            std::optional<at::Tensor> block_table) {
+                            std::optional<at::Tensor> block_table,
+                            std::optional<at::Tensor> leftpad_k) {
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
+    if (leftpad_k.has_value()) {
+        FA_CHECK(!pb.varlen && pb.page_size == 0 && seqused_k.has_value(),
+                 "flash_attn: leftpad_k is for batched, unpaged K/V with seqused_k (not with "
+                 "cu_seqlens or block_table)");
+        check_batch_ints(leftpad_k, "leftpad_k", pb.batch, q_in);
+    }
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
@@ -390,6 +397,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     check_batch_ints(seqused_k, "seqused_k", pb.batch, q);
     if (seqused_k.has_value()) p.seqused_k = seqused_k->data_ptr<int>();
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
+    if (leftpad_k.has_value()) p.leftpad_k = leftpad_k->data_ptr<int>();
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
         p.block_table_stride = block_table->stride(0);
@@ -533,7 +541,8 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
                           int64_t seqlen_offset, std::optional<at::Tensor> cache_batch_idx,
                           std::optional<at::Tensor> rotary_cos,
                           std::optional<at::Tensor> rotary_sin, bool rotary_interleaved,
-                          bool q_rows_advance, std::optional<at::Tensor> block_table) {
+                          bool q_rows_advance, std::optional<at::Tensor> block_table,
+                          std::optional<at::Tensor> cache_leftpad) {
     const Dtype dtype = dtype_of(q);
     FA_CHECK(q.is_cuda() && q.dim() == 4, "flash_attn: q must be a 4-D CUDA tensor");
     check_cuda_tensor(k_cache, "k_cache", q);
@@ -550,6 +559,7 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     const int64_t batch = q.size(0);
     check_batch_ints(cache_seqlens, "cache_seqlens", batch, q);
     check_batch_ints(cache_batch_idx, "cache_batch_idx", batch, q);
+    check_batch_ints(cache_leftpad, "cache_leftpad", batch, q);
     int64_t seqlen_cache = k_cache.size(1);
     if (block_table.has_value()) {
         FA_CHECK(!cache_batch_idx.has_value(),
@@ -624,6 +634,7 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     p.cache_seqlens = cache_seqlens.has_value() ? cache_seqlens->data_ptr<int>() : nullptr;
     p.seqlen_offset = int(seqlen_offset);
     p.cache_batch_idx = cache_batch_idx.has_value() ? cache_batch_idx->data_ptr<int>() : nullptr;
+    p.cache_leftpad = cache_leftpad.has_value() ? cache_leftpad->data_ptr<int>() : nullptr;
     p.interleaved = rotary_interleaved;
     p.q_rows_advance = q_rows_advance;
     p.batch = int(batch);
@@ -677,13 +688,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
-          py::arg("block_table") = py::none());
+          py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none());
     m.def("bwd", &bwd, "attention backward");
     m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update",
           py::arg("k_cache"), py::arg("v_cache"), py::arg("q_rot"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("cache_seqlens"), py::arg("seqlen_offset"),
           py::arg("cache_batch_idx"), py::arg("rotary_cos"), py::arg("rotary_sin"),
           py::arg("rotary_interleaved"), py::arg("q_rows_advance"),
-          py::arg("block_table") = py::none());
+          py::arg("block_table") = py::none(), py::arg("cache_leftpad") = py::none());
     m.def("build_info", &build_info, "what this build compiled");
 }

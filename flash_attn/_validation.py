@@ -7,8 +7,7 @@ given and what is expected:
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
 * ``NotImplementedError``: a valid combination this package does not implement (dropout,
-  ALiBi, paged KV cache, a cache's left padding, a forced split count, deterministic CUDA
-  backward).
+  ALiBi, a left-padded paged KV cache, a forced split count, deterministic CUDA backward).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -696,11 +695,6 @@ def validate_kvcache(
     (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v
     (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
     (seqlen_ro, rotary_dim / 2). Returns the normalized call."""
-    if cache_leftpad is not None:
-        raise NotImplementedError(
-            f"{fn}: cache_leftpad is not implemented; pass cache_leftpad=None (keep each "
-            f"sequence's cache rows starting at row 0)"
-        )
     if not _is_int(num_splits):
         raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
     if num_splits < 0:
@@ -769,6 +763,14 @@ def validate_kvcache(
             _check_cache_index(fn, "cache_seqlens", cache_seqlens, q, batch)
     if cache_batch_idx is not None:
         _check_cache_index(fn, "cache_batch_idx", cache_batch_idx, q, batch)
+    if cache_leftpad is not None:
+        _check_cache_index(fn, "cache_leftpad", cache_leftpad, q, batch)
+        if block_table is not None:
+            raise NotImplementedError(
+                f"{fn}: cache_leftpad with a paged cache (block_table) is not implemented; "
+                f"leave the unused rows at the end of each sequence's pages, or pass a "
+                f"contiguous cache"
+            )
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together (or both None)")
@@ -824,6 +826,16 @@ def validate_kvcache(
                     f"(seqlen_ro), but position {last} is rotated; pass tables of at least "
                     f"{last + 1} rows"
                 )
+        if cache_leftpad is not None:
+            ends = (cache_seqlens.tolist() if isinstance(cache_seqlens, Tensor)
+                    else [seqlen_cache if cache_seqlens is None else cache_seqlens] * batch)
+            for b, (first, end) in enumerate(zip(cache_leftpad.tolist(), ends)):
+                if not 0 <= first <= end:
+                    raise ValueError(
+                        f"{fn}: cache_leftpad must be in [0, cache_seqlens] (a sequence's "
+                        f"first cache row, before its end), got cache_leftpad[{b}] = {first} "
+                        f"with a cache length of {end}"
+                    )
         if cache_batch_idx is not None:
             _check_index_values(fn, "cache_batch_idx", cache_batch_idx, k_cache.shape[0],
                                 f"[0, batch_cache) = [0, {k_cache.shape[0]})")

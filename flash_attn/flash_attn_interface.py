@@ -58,6 +58,7 @@ def _forward(
     deterministic: bool,
     kv_batch_idx: Optional[Tensor] = None,
     block_table: Optional[Tensor] = None,
+    leftpad_k: Optional[Tensor] = None,
 ):
     """(out, softmax_lse) of the forward op, on inputs made kernel-ready: a last dim with
     stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back)."""
@@ -69,7 +70,7 @@ def _forward(
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-        kv_batch_idx, block_table,
+        kv_batch_idx, block_table, leftpad_k,
     )
     return (out[..., :hd] if pad else out), lse
 
@@ -503,16 +504,19 @@ def flash_attn_with_kvcache(
     seqused_k = None
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
-    if first is not None:  # one kernel: the new rows written, q rotated, the lengths
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
+    if first is not None or cache_leftpad is not None:
+        # One kernel: the new rows written, q rotated, the key counts (from the pad on).
         q_rot = torch.empty_like(q) if c.rotary_dim else None
         local = a.causal or a.window_left >= 0 or a.window_right >= 0
-        # Not differentiable (a backward with cache_seqlens raises): no graph through it.
+        lengths = first.contiguous() if isinstance(first, Tensor) else None
+        offset = a.seqlen_k if first is None else (first if isinstance(first, int) else 0)
+        # Not differentiable (a backward with cache_seqlens or cache_leftpad raises).
         with torch.no_grad():
             seqused_k = ops.kvcache_update(
-                k_cache, v_cache, q_rot, q, k, v,
-                first.contiguous() if isinstance(first, Tensor) else None,
-                first if isinstance(first, int) else 0, cache_batch_idx, rotary_cos,
-                rotary_sin, c.rotary_interleaved, local, block_table,
+                k_cache, v_cache, q_rot, q, k, v, lengths, offset, cache_batch_idx, rotary_cos,
+                rotary_sin, c.rotary_interleaved, local, block_table, cache_leftpad,
             )
         q = q if q_rot is None else q_rot
     # With cache_batch_idx the kernels read entry cache_batch_idx[b] in place (kv_batch_idx),
@@ -524,7 +528,7 @@ def flash_attn_with_kvcache(
     else:
         keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx
     out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
-                        False, kv_batch_idx, block_table)
+                        False, kv_batch_idx, block_table, cache_leftpad)
     return (out, lse) if c.return_softmax_lse else out
 
 
@@ -544,13 +548,13 @@ flash_attn_with_kvcache.__doc__ = """
     before the attention runs.
 
     The attention of batch entry b reads the first cache_seqlens[b] + seqlen_new rows of its
-    cache entry (after the update); the causal mask and the window are aligned bottom-right to
-    that length.
+    cache entry (after the update), from row cache_leftpad[b] on if cache_leftpad is given;
+    the causal mask and the window are aligned bottom-right to the rows read.
 """ + _GQA_DOC + """
 
     The cache is read in place, with or without cache_batch_idx or block_table. This is an
     inference API: a backward pass through it raises NotImplementedError whenever
-    cache_seqlens or block_table is given (the backward kernels take neither). Sequences that
+    cache_seqlens, cache_leftpad or block_table is given (the backward kernels take none). Sequences that
     share cache rows (a repeated cache_batch_idx, or pages in several rows of block_table)
     and append k/v there leave those rows holding any one of their values.
 
@@ -579,7 +583,12 @@ flash_attn_with_kvcache.__doc__ = """
             KV cache. If None, we assume that the batch indices are [0, 1, 2, ..., batch_size -
             1]. If the indices are not distinct, and k and v are provided, the values updated
             in the cache might come from any of the duplicate indices.
-        cache_leftpad: must be None (left-padded caches are not implemented).
+        cache_leftpad [optional]: (batch_size,), dtype torch.int32. The index that the KV
+            cache starts: sequence b's keys are its cache rows [cache_leftpad[b],
+            cache_seqlens[b] + seqlen_new). If None, assume 0. New rows are still written at
+            cache_seqlens, and rotary positions are cache rows (as in FlashAttention-2). Not
+            with block_table (NotImplementedError). Values outside [0, cache_seqlens] are
+            refused on CPU and on CUDA with FLASH_ATTN_CHECK_INPUTS=1; otherwise clamped.
         block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Row
             r of sequence b is row r % page_block_size of page block_table[b, r //
             page_block_size]; the cache's length is max_num_blocks_per_seq * page_block_size.

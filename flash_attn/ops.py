@@ -19,9 +19,9 @@ formula, when a gradient is needed, else with no autograd at all.
 The signatures of ``_fwd`` / ``_bwd`` follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with
 two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are
 not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
-for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx`` and
-``block_table``) that the forward ignores and that is handed to ``_bwd`` by the autograd
-formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
+for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
+``block_table`` and ``leftpad_k``) that the forward ignores and that is handed to ``_bwd`` by
+the autograd formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
 ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -178,6 +178,7 @@ def _fwd_op(
     deterministic: bool = False,
     kv_batch_idx: Optional[Tensor] = None,
     block_table: Optional[Tensor] = None,
+    leftpad_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -187,10 +188,14 @@ def _fwd_op(
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-             kv_batch_idx=None, block_table=None):
+             kv_batch_idx=None, block_table=None, leftpad_k=None):
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
+    if leftpad_k is not None:
+        if seqused_k is None:
+            raise ValueError("flash_attn: leftpad_k needs seqused_k (the keys from the pad on)")
+        k, v = reference.unpad_left(k, v, seqused_k, leftpad_k)
     if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
     elif block_table is not None:
@@ -223,7 +228,7 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 @_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, cu_seqlens_q)
@@ -232,6 +237,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     out, lse = ext.fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx, block_table,
+        leftpad_k,
     )
     return out, lse
 
@@ -239,7 +245,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -361,11 +367,12 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx, block_table) = inputs
+     kv_batch_idx, block_table, leftpad_k) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx)
     ctx.has_seqused_k = seqused_k is not None
     ctx.paged = block_table is not None
+    ctx.left_padded = leftpad_k is not None
     ctx.max_seqlen_q = max_seqlen_q
     ctx.max_seqlen_k = max_seqlen_k
     ctx.softmax_scale = softmax_scale
@@ -380,6 +387,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx = ctx.saved_tensors
+    if ctx.left_padded:
+        raise NotImplementedError(
+            "flash_attn: the backward pass does not support a left-padded K/V (cache_leftpad; "
+            "forward only)"
+        )
     if ctx.has_seqused_k:
         raise NotImplementedError(
             "flash_attn: the backward pass does not support seqused_k (forward only, see "
@@ -404,7 +416,7 @@ def _backward(ctx, dout, dlse):
     if idx is not None:  # entries read by several query batches sum their gradients
         dk = torch.zeros_like(k).index_add_(0, idx, dk)
         dv = torch.zeros_like(v).index_add_(0, idx, dv)
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -442,6 +454,7 @@ def flash_attn_fwd(
     deterministic: bool = False,
     kv_batch_idx: Optional[Tensor] = None,
     block_table: Optional[Tensor] = None,
+    leftpad_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
     not differentiable).
@@ -454,10 +467,11 @@ def flash_attn_fwd(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table)
+            kv_batch_idx, block_table, leftpad_k)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
-                                                             kv_batch_idx, block_table):
+                                                             kv_batch_idx, block_table,
+                                                             leftpad_k):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttnFunc.apply(*args)
@@ -486,6 +500,7 @@ def _kvcache_update_op(
     rotary_interleaved: bool,
     q_rows_advance: bool,
     block_table: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> Tensor:
     raise NotImplementedError(
         f"flash_attn::_kvcache_update has no implementation for device {q.device} (CUDA and "
@@ -493,23 +508,25 @@ def _kvcache_update_op(
     )
 
 
-# The kernels spell out block_table's default: a traced call leaves trailing defaults out.
+# The kernels spell out the trailing defaults: a traced call leaves them out.
 @_kvcache_update_op.register_kernel("cpu")
 def _kvcache_update_cpu(k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset,
                         cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved,
-                        q_rows_advance, block_table=None) -> Tensor:
+                        q_rows_advance, block_table=None, cache_leftpad=None) -> Tensor:
     return reference.kvcache_update_ref(
         k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
-        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
+        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table,
+        cache_leftpad)
 
 
 @_kvcache_update_op.register_kernel("cuda")
 def _kvcache_update_cuda(k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset,
                          cache_batch_idx, rotary_cos, rotary_sin, rotary_interleaved,
-                         q_rows_advance, block_table=None) -> Tensor:
+                         q_rows_advance, block_table=None, cache_leftpad=None) -> Tensor:
     return load_extension().kvcache_update(
         k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
-        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
+        rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table,
+        cache_leftpad)
 
 
 @_kvcache_update_op.register_fake
@@ -532,6 +549,7 @@ def kvcache_update(
     rotary_interleaved: bool,
     q_rows_advance: bool,
     block_table: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> Tensor:
     """flash_attn_with_kvcache's cache update (:func:`flash_attn.reference.kvcache_update_ref`
     states it): k/v written into the caches in place (k rotated), q rotated into q_rot, and
@@ -539,9 +557,10 @@ def kvcache_update(
     ``torch.ops.flash_attn._kvcache_update`` while tracing or when :func:`_direct_call_ok` says
     no, else its kernel for q's device directly. Not differentiable."""
     args = (k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
-            rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table)
+            rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table,
+            cache_leftpad)
     if torch.compiler.is_compiling() or not _direct_call_ok(
             q, k_cache, v_cache, q_rot, k, v, cache_seqlens, cache_batch_idx, rotary_cos,
-            rotary_sin, block_table):
+            rotary_sin, block_table, cache_leftpad):
         return _kvcache_update_op(*args)
     return _kvcache_update_cuda(*args) if q.is_cuda else _kvcache_update_cpu(*args)

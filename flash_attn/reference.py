@@ -411,6 +411,21 @@ def unpage(x: Tensor, block_table: Tensor) -> Tensor:
     return x[pages].flatten(1, 2)
 
 
+def unpad_left(k: Tensor, v: Tensor, seqused_k: Tensor, leftpad_k: Tensor):
+    """A left-padded batched K/V (batch, seqlen_k, nheads_k, headdim) as the kernels read it:
+    sequence b's keys are the seqused_k[b] rows from row leftpad_k[b] (seqused_k clamped into
+    [0, seqlen_k], leftpad_k into [0, seqlen_k - seqused_k[b]]). Returns (k, v) with those
+    rows moved to the front of each entry; seqused_k then counts them."""
+    seqlen_k = k.shape[1]
+    if seqlen_k == 0:
+        return k, v
+    used = seqused_k.long().clamp(0, seqlen_k)
+    first = torch.minimum(leftpad_k.long().clamp(min=0), seqlen_k - used)
+    rows = (first[:, None] + torch.arange(seqlen_k, device=k.device)).clamp(max=seqlen_k - 1)
+    batch = torch.arange(k.shape[0], device=k.device)[:, None]
+    return k[batch, rows], v[batch, rows]
+
+
 def paged_key_counts(cu_seqlens_k: Tensor, capacity: int, max_seqlen_k: int) -> Tensor:
     """The keys of each sequence of a paged varlen call, as the kernels count them from any
     cu_seqlens_k: offsets clamped into [0, total] (total = batch * capacity, capped below
@@ -446,6 +461,7 @@ def kvcache_update_ref(
     rotary_interleaved: bool,
     q_rows_advance: bool,
     block_table: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> Tensor:
     """The cache update of ``flash_attn_with_kvcache``, in place; returns ``seqused_k``.
 
@@ -463,8 +479,11 @@ def kvcache_update_ref(
         block_table: paged caches (num_pages, page_size, nheads_k, headdim): row r of batch b
             is row r % page_size of page block_table[b, r // page_size] (clamped); the caches'
             length is then max_num_blocks_per_seq * page_size.
+        cache_leftpad: int32 (batch,) or None: the first cache row of each sequence's keys,
+            clamped into [0, end[b]].
     Return:
-        seqused_k: int32 (batch,), min(max(first[b] + seqlen_new, 0), seqlen_cache).
+        seqused_k: int32 (batch,), the keys of each sequence: end[b] - cache_leftpad[b], with
+            end[b] = min(max(first[b] + seqlen_new, 0), seqlen_cache).
     """
     if block_table is not None and cache_batch_idx is not None:
         raise ValueError("flash_attn: block_table and cache_batch_idx cannot be used together")
@@ -499,4 +518,7 @@ def kvcache_update_ref(
             seqs = cache_batch_idx.long().clamp(0, k_cache.shape[0] - 1)[:, None].expand_as(rows)
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache[seqs, rows] = torch.where(inside, new, cache[seqs, rows])
-    return (first + seqlen_new).clamp(0, seqlen_cache).to(torch.int32)
+    end = (first + seqlen_new).clamp(0, seqlen_cache)
+    if cache_leftpad is not None:
+        end = end - torch.minimum(cache_leftpad.long().clamp(min=0), end)
+    return end.to(torch.int32)

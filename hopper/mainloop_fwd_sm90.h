@@ -122,14 +122,13 @@ struct Sm90FwdMainloop {
             head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb,
                       (varlen ? seq.row_q : 0) + q_shift),
             Shape<BM, D>{}, make_coord(m_block, _0{}));
-        Tensor gK = local_tile(
-            head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, seq.bidb_k,
-                      varlen ? seq.row_k : 0),
-            Shape<BN, D>{}, make_coord(_, _0{}));
-        Tensor gV = local_tile(
-            head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k, seq.bidb_k,
-                      varlen ? seq.row_k : 0),
-            Shape<BN, D>{}, make_coord(_, _0{}));
+        const index_t row_k = (varlen ? seq.row_k : 0) + seq.k_first;
+        Tensor gK = local_tile(head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
+                                         bidh_k, seq.bidb_k, row_k),
+                               Shape<BN, D>{}, make_coord(_, _0{}));
+        Tensor gV = local_tile(head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
+                                         bidh_k, seq.bidb_k, row_k),
+                               Shape<BN, D>{}, make_coord(_, _0{}));
 
         // In a cluster each K/V tile is loaded in kCluster slices. Where the cluster's CTAs
         // share the head, this CTA loads its own slice for every CTA of the cluster; otherwise

@@ -469,14 +469,18 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         @staticmethod
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                kv_batch_idx=None, block_table=None):
+                kv_batch_idx=None, block_table=None, leftpad_k=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
-                                kv_batch_idx=kv_batch_idx, block_table=block_table)
+                                kv_batch_idx=kv_batch_idx, block_table=block_table,
+                                leftpad_k=leftpad_k)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
                 k, v = (x[block_table.long()].flatten(1, 2) for x in (k, v))
+            if leftpad_k is not None:  # seqused_k[b] keys from row leftpad_k[b]
+                k, v = (torch.stack([x[b].roll(-n, 0) for b, n in
+                                     enumerate(leftpad_k.tolist())]) for x in (k, v))
             return list(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap))
@@ -500,7 +504,8 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
-                                window=(2, 0), kv_batch_idx=None, block_table=None)
+                                window=(2, 0), kv_batch_idx=None, block_table=None,
+                                leftpad_k=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
@@ -526,6 +531,16 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         None, None, 3, 10, 0.4)
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     assert calls["fwd"]["block_table"] is table
+    # leftpad_k last: batch b's keys are the seqused_k[b] rows from row leftpad_k[b]
+    pad, used = (torch.tensor(x, dtype=torch.int32) for x in ([1, 3], [3, 1]))
+    out, lse = ops._fwd_cuda(qb, kb[:2], vb[:2], None, None, used, 3, 5, 0.4, True, -1, 0, 0.0,
+                             False, None, None, pad)
+    for b, (n, u) in enumerate(zip(pad.tolist(), used.tolist())):
+        ref_out, _ = reference.attention_forward_ref(qb[b:b + 1], kb[b:b + 1, n:n + u],
+                                                     vb[b:b + 1, n:n + u], None, None, None, 3,
+                                                     u, 0.4, True, -1, 0)
+        torch.testing.assert_close(out[b:b + 1], ref_out, atol=1e-6, rtol=1e-6)
+    assert calls["fwd"]["leftpad_k"] is pad
     # empty inputs never reach the extension
     calls.clear()
     e_out, e_lse = ops._fwd_cuda(q[:0], k, v, cu_q, cu_k, None, 0, 9, 0.4, False, -1, -1, 0.0)

@@ -3,7 +3,8 @@ implementation from the FlashAttention-2 semantics (the cache update and the rot
 written here, the masked attention test_cpu_api.explicit_attention's): the new k/v are written
 in place into the cache at rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of entry
 cache_batch_idx[b] (k rotated first when rotary_cos/sin are given), and q attends to the first
-cache_seqlens[b] + seqlen_new keys of that entry, masks aligned bottom-right to that length.
+cache_seqlens[b] + seqlen_new keys of that entry (from row cache_leftpad[b] on), masks aligned
+bottom-right to the keys attended.
 
 Inputs are float64 on a 1/8 grid and cos/sin tables on a 1/16 grid, so a rotation (two products
 and a sum) is exact in float32 as well: the comparisons stay tight (1e-10) whatever precision the
@@ -83,11 +84,12 @@ def rotary_ref(x, cos, sin, pos, interleaved):
 
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                cache_seqlens=None, cache_batch_idx=None, softmax_scale=None, causal=False,
-                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True):
+                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                rotary_interleaved=True):
     """Returns (out, lse, k_cache_after, v_cache_after), all float64; inputs are not modified.
-    Keys of batch b: explicit concatenation of the old cache rows [:cache_seqlens[b]] with the
-    (rotated) new k; explicit masked softmax per sequence."""
+    Keys of batch b: explicit concatenation of the old cache rows [cache_leftpad[b]:
+    cache_seqlens[b]] with the (rotated) new k; explicit masked softmax per sequence."""
     b, sq, h, d = q.shape
     sc, hk = k_cache.shape[1], k_cache.shape[2]
     sn = 0 if k is None else k.shape[1]
@@ -98,6 +100,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     else:
         lens = [int(x) for x in cache_seqlens.tolist()]
     idx = list(range(b)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
+    pad = [0] * b if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     left, right = window_size
     if causal:
@@ -120,8 +123,8 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
                 qb = rotary_ref(qb, rotary_cos, rotary_sin, qpos, rotary_interleaved)
             kc[e, c:c + sn] = kn
             vc[e, c:c + sn] = vn
-        keys = torch.cat([k_cache[e, :c].double(), kn])
-        vals = torch.cat([v_cache[e, :c].double(), vn])
+        keys = torch.cat([k_cache[e, pad[bi]:c].double(), kn])
+        vals = torch.cat([v_cache[e, pad[bi]:c].double(), vn])
         if keys.shape[0] == 0:
             continue
         o, m, _ = explicit_attention(qb[None], keys[None], vals[None], scale, False, left, right,
@@ -498,6 +501,47 @@ def test_cache_batch_idx_backward():
     assert grads[1][1].abs().sum() == 0  # entry 1 is read by no batch
 
 
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("mode", ["noncausal", "causal", "window"])
+@pytest.mark.parametrize("sq,sn", [(1, 1), (3, 2), (2, 0)])
+def test_cache_leftpad(sq, sn, mode, rotary):
+    """Sequence b's keys start at cache row cache_leftpad[b]: the masks align to the rows
+    from there to cache_seqlens[b] + seqlen_new, the new rows are written at cache_seqlens[b]
+    and rotated at cache-row positions (FlashAttention-2's semantics). A pad equal to the
+    length leaves only the new keys (or none)."""
+    if rotary and sn == 0:
+        pytest.skip("rotary needs new k/v")
+    torch.manual_seed(30)
+    sc = 16
+    q, k_cache, v_cache, k, v = make(b=4, sq=sq, sn=sn, sc=sc, batch_cache=5)
+    kw = dict(k=k, v=v, cache_seqlens=seqlens(7, 3, 12, 5), cache_leftpad=seqlens(2, 0, 9, 5),
+              causal=mode == "causal", window_size=(3, 1) if mode == "window" else (-1, -1))
+    if rotary:
+        cos, sin = grid_cos_sin(sc + sq, 16)
+        kw.update(rotary_cos=cos, rotary_sin=sin)
+    check_call(q, k_cache, v_cache, **kw)
+
+
+def test_cache_leftpad_with_cache_batch_idx_and_no_seqlens():
+    """cache_leftpad is per query batch and composes with cache_batch_idx; without
+    cache_seqlens the keys run from the pad to the end of the cache."""
+    torch.manual_seed(31)
+    q, k_cache, v_cache, _, _ = make(b=3, sq=2, sn=0, sc=8, batch_cache=2)
+    check_call(q, k_cache, v_cache, cache_batch_idx=torch.tensor([1, 1, 0], dtype=torch.int32),
+               cache_leftpad=seqlens(0, 5, 3), causal=True)
+    check_call(q, k_cache, v_cache, cache_seqlens=seqlens(8, 6, 4), cache_leftpad=seqlens(1, 6, 0),
+               cache_batch_idx=torch.tensor([0, 1, 0], dtype=torch.int32))
+
+
+def test_cache_leftpad_backward_raises():
+    """A left-padded call is forward only: its backward names cache_leftpad."""
+    q, k_cache, v_cache, _, _ = make(b=2, sq=2, sn=0, sc=8)
+    q.requires_grad_()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_leftpad=seqlens(1, 2))
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        out.sum().backward()
+
+
 def to_pages(cache, page, perm):
     """A contiguous cache (b, s, hk, d) as pages (num_blocks, page, hk, d) in the order perm
     (sequence b's block i is page perm[b * s / page + i]; num_blocks = len(perm) may exceed
@@ -633,8 +677,19 @@ ERROR_CASES = [
     ("block_table_page_out_of_range",
      lambda: dict(_paged(), block_table=torch.tensor([[0], [3]], dtype=torch.int32)),
      ValueError, [arg_re("block_table")]),
-    ("cache_leftpad", lambda: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)),
-     NotImplementedError, [arg_re("cache_leftpad")]),
+    ("cache_leftpad_paged", lambda: dict(_paged(), cache_leftpad=seqlens(0, 0)),
+     NotImplementedError, [arg_re("cache_leftpad"), arg_re("block_table")]),
+    ("cache_leftpad_int64", lambda: dict(cache_leftpad=torch.zeros(2, dtype=torch.long)),
+     TypeError, [arg_re("cache_leftpad")]),
+    ("cache_leftpad_len3", lambda: dict(cache_leftpad=seqlens(0, 0, 0)), ValueError,
+     [arg_re("cache_leftpad")]),
+    ("cache_leftpad_past_seqlens", lambda: dict(cache_leftpad=seqlens(3, 0)), ValueError,
+     [arg_re("cache_leftpad"), r"cache_leftpad\[0\] = 3"]),
+    ("cache_leftpad_negative", lambda: dict(cache_leftpad=seqlens(0, -1)), ValueError,
+     [arg_re("cache_leftpad")]),
+    ("cache_leftpad_past_cache", lambda: dict(k=None, v=None, cache_seqlens=None,
+                                              cache_leftpad=seqlens(9, 0)),
+     ValueError, [arg_re("cache_leftpad")]),
     ("alibi_slopes", lambda: dict(alibi_slopes=torch.ones(4)), NotImplementedError,
      [arg_re("alibi_slopes")]),
     ("num_splits_2", lambda: dict(num_splits=2), NotImplementedError, [arg_re("num_splits")]),

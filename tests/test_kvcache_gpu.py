@@ -1,5 +1,6 @@
 """GPU tests of flash_attn_with_kvcache: the kernels (cache update, rotary, attention over the
-first cache_seqlens[b] + seqlen_new keys of each cache entry) against the CPU path.
+first cache_seqlens[b] + seqlen_new keys of each cache entry, from row cache_leftpad[b] on)
+against the CPU path.
 
 * Output: the accuracy rule of test_flash_attn_gpu.py, max|ours - ref| <= 2 * max|pt - ref| +
   atol, with ``ref`` the same call run on CPU in float64 (on upcast copies of the inputs) and
@@ -70,11 +71,11 @@ def rotate(x, cos, sin, pos, interleaved):
 
 def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                   cache_seqlens=None, cache_batch_idx=None, causal=False, window_size=(-1, -1),
-                  rotary_interleaved=True, block_table=None):
+                  rotary_interleaved=True, block_table=None, cache_leftpad=None):
     """``pt`` of the accuracy rule: attention_ref in q's dtype per sequence on
-    cat(k_cache[e, :cache_seqlens[b]], rotated k[b]) (k_cache as before the call), q rotated at
-    cache_seqlens[b] (+ j with causal or a window). Returns out (batch, seqlen_q, nheads, d) in
-    q's dtype and lse (batch, nheads, seqlen_q) in float32."""
+    cat(k_cache[e, cache_leftpad[b]:cache_seqlens[b]], rotated k[b]) (k_cache as before the
+    call), q rotated at cache_seqlens[b] (+ j with causal or a window). Returns out (batch,
+    seqlen_q, nheads, d) in q's dtype and lse (batch, nheads, seqlen_q) in float32."""
     b, sq = q.shape[:2]
     if block_table is not None:  # the pages as the contiguous cache they describe
         k_cache, v_cache = (x[block_table.long()].flatten(1, 2) for x in (k_cache, v_cache))
@@ -91,7 +92,8 @@ def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
     outs, lses = [], []
     for i, c in enumerate(lens.tolist()):
         e = i if cache_batch_idx is None else int(cache_batch_idx[i])
-        kb, vb = k_cache[e, :c], v_cache[e, :c]
+        first = 0 if cache_leftpad is None else int(cache_leftpad[i])
+        kb, vb = k_cache[e, first:c], v_cache[e, first:c]
         if k is not None:
             kb, vb = torch.cat([kb, k[i]]), torch.cat([vb, v[i]])
         o, lse = attention_ref(q[i:i + 1], kb[None], vb[None], causal=causal,
@@ -179,17 +181,20 @@ def check_against_cpu(q, k_cache, v_cache, **kw):
     return out
 
 
-def make_inputs(dtype, d, b, sq, sn, sc, h, hk, lens, batch_cache=None, cache_batch_idx=None):
+def make_inputs(dtype, d, b, sq, sn, sc, h, hk, lens, batch_cache=None, cache_batch_idx=None,
+                leftpad=None):
     """q, k_cache, v_cache, k, v on CUDA; the cache rows of entry cache_batch_idx[i] (or i) from
-    lens[i] on are NaN. k, v are None when sn is 0."""
+    lens[i] on, and before leftpad[i], are NaN. k, v are None when sn is 0."""
     q = torch.randn(b, sq, h, d, dtype=dtype, device="cuda")
     k_cache = torch.randn(batch_cache or b, sc, hk, d, dtype=dtype, device="cuda")
     v_cache = torch.randn(batch_cache or b, sc, hk, d, dtype=dtype, device="cuda")
-    if lens is not None:
-        entries = range(b) if cache_batch_idx is None else cache_batch_idx.tolist()
-        for e, c in zip(entries, lens):
-            k_cache[e, c:] = NAN
-            v_cache[e, c:] = NAN
+    entries = range(b) if cache_batch_idx is None else cache_batch_idx.tolist()
+    for e, c in zip(entries, lens or []):
+        k_cache[e, c:] = NAN
+        v_cache[e, c:] = NAN
+    for e, first in zip(entries, leftpad or []):
+        k_cache[e, :first] = NAN
+        v_cache[e, :first] = NAN
     if sn == 0:
         return q, k_cache, v_cache, None, None
     k = torch.randn(b, sn, hk, d, dtype=dtype, device="cuda")
@@ -374,6 +379,66 @@ def test_paged_cache(pack, case, d, page, monkeypatch):
     check_against_cpu(q, k_pages, v_pages, **kw)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", ["decode_split", "prefill_rotary", "window", "whole_cache",
+                                  "batch_idx"])
+@pytest.mark.parametrize("pack", ["default", "unpacked"])
+def test_cache_leftpad(pack, case, d, monkeypatch):
+    """A left-padded cache: sequence b's keys are its rows [cache_leftpad[b], cache_seqlens[b]
+    + seqlen_new), the rows before the pad NaN. decode_split: one new row over a long cache
+    (keys split over SMs); prefill_rotary: a causal chunk of 40 rows, rotated at cache-row
+    positions; window: a (100, 0) window over a chunk of 64; whole_cache: no k/v, no
+    cache_seqlens (keys from the pad to the end, non-causal, Q tiles of 160 rows);
+    batch_idx: with cache_batch_idx. Pads include 0, an unaligned offset and the whole cache
+    before the new rows. unpacked: FLASH_ATTN_PACK_GQA=0 (the SM90 band kernel)."""
+    monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    if pack == "unpacked":
+        monkeypatch.setenv("FLASH_ATTN_PACK_GQA", "0")
+    torch.manual_seed(12)
+    dt, h, hk = torch.bfloat16, 8, 2
+    kw, idx, batch_cache = {}, None, None
+    if case == "decode_split":
+        b, sq, sn, sc, lens, pads = 2, 1, 1, 3000, [2999, 1500], [0, 777]
+    elif case == "whole_cache":
+        b, sq, sn, sc, lens, pads = 3, 160, 0, 512, None, [0, 131, 511]
+    else:
+        b, sq, sn, sc, lens, pads = 3, 40, 40, 384, [0, 217, 300], [0, 13, 300]
+        kw.update(causal=True)
+        if case == "window":
+            sq = sn = 64
+            kw = dict(window_size=(100, 0))
+        if case == "prefill_rotary":
+            kw.update(rotary_kwargs("neox", sc, d, dt))
+        if case == "batch_idx":
+            batch_cache = 4
+            idx = torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda")
+            kw.update(cache_batch_idx=idx)
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, b, sq, sn, sc, h, hk, lens,
+                                            batch_cache=batch_cache, cache_batch_idx=idx,
+                                            leftpad=pads)
+    if lens is not None:
+        kw.update(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    check_against_cpu(q, k_cache, v_cache,
+                      cache_leftpad=torch.tensor(pads, dtype=torch.int32, device="cuda"), **kw)
+
+
+def test_cache_leftpad_out_of_range_without_checks(monkeypatch):
+    """Without FLASH_ATTN_CHECK_INPUTS, pads outside [0, cache_seqlens] are clamped: no
+    faults, a finite output where keys remain, and CUDA stays usable."""
+    monkeypatch.delenv("FLASH_ATTN_CHECK_INPUTS", raising=False)
+    torch.manual_seed(13)
+    dt, d, sc = torch.bfloat16, 64, 128
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, 3, 2, 2, sc, 8, 2, None)
+    pads = torch.tensor([-7, 100, 2**31 - 1], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([20, 50, 30], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                  cache_leftpad=pads, causal=True)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and torch.isfinite(out[0].float()).all()
+    check_against_cpu(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                      cache_leftpad=torch.tensor([3, 50, 0], dtype=torch.int32, device="cuda"))
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (40, 0)], ids=["full", "window"])
 def test_rotary_query_positions(window):
     """A non-causal chunk of 16 queries with rotary: without a window every q row is rotated at
@@ -409,7 +474,8 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
     the caches and q_rot within 1 ulp (bitwise without rotary), seqused_k equal. With
     out_of_range, cache_seqlens and cache_batch_idx hold values the Python checks would refuse
     (negative, past the cache, near 2^31; entries outside the cache) and the tables are shorter
-    than the positions: rows outside the cache are dropped, indices and positions clamped."""
+    than the positions: rows outside the cache are dropped, indices and positions clamped.
+    cache_leftpad (in range, and out of range with out_of_range) shortens seqused_k."""
     from flash_attn import ops, reference
 
     torch.manual_seed(7)
@@ -420,6 +486,7 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
     k = torch.randn(b, sn, hk, d, dtype=dt, device="cuda")
     v = torch.randn(b, sn, hk, d, dtype=dt, device="cuda")
     idx = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device="cuda")
+    pads = torch.tensor([0, 3, 11, 17], dtype=torch.int32, device="cuda")
     lens, offset = None, 0
     if lengths == "int":
         offset = 17
@@ -428,6 +495,7 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
     else:
         lens = torch.tensor([-3, sc - 2, 2**31 - 3, 7], dtype=torch.int32, device="cuda")
         idx = torch.tensor([9, -1, 2, 3], dtype=torch.int32, device="cuda")
+        pads = torch.tensor([-5, 2**31 - 1, 3, 40], dtype=torch.int32, device="cuda")
     cos = sin = q_rot = None
     if rotary is not None:
         table_dt = torch.float32 if rotary.endswith("fp32_tables") else dt
@@ -440,9 +508,9 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
     interleaved = rotary == "interleaved"
     cpu = [x.cpu() if isinstance(x, torch.Tensor) else x for x in
            (k_cache, v_cache, q_rot, q, k, v, lens, offset, idx, cos, sin)]
-    want_used = reference.kvcache_update_ref(*cpu, interleaved, True)
+    want_used = reference.kvcache_update_ref(*cpu, interleaved, True, None, pads.cpu())
     used = ops.kvcache_update(k_cache, v_cache, q_rot, q, k, v, lens, offset, idx, cos, sin,
-                              interleaved, True)
+                              interleaved, True, None, pads)
     torch.cuda.synchronize()
     assert used.dtype == torch.int32 and torch.equal(used.cpu(), want_used), (used, want_used)
     ulps = 0 if rotary is None else 1
@@ -452,15 +520,19 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
         assert_cache_matches("q_rot", q_rot.contiguous(), cpu[2].contiguous(), ulps)
 
 
-def test_compile_decode_step():
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_compile_decode_step(leftpad):
     """A decode step under torch.compile(fullgraph=True) (inductor): the cache-update op
-    mutates the caches as in eager mode and the output matches eager's bitwise."""
+    mutates the caches as in eager mode and the output matches eager's bitwise (also with
+    cache_leftpad)."""
     torch.manual_seed(9)
     torch._dynamo.reset()
     dt, d, sc = torch.bfloat16, 128, 256
     q, k_cache, v_cache, k, v = make_inputs(dt, d, 2, 1, 1, sc, 8, 2, None)
     lens = torch.tensor([5, 200], dtype=torch.int32, device="cuda")
     rot = rotary_kwargs("neox", sc, d, dt)
+    if leftpad:
+        rot["cache_leftpad"] = torch.tensor([2, 150], dtype=torch.int32, device="cuda")
 
     def step(q, k_cache, v_cache, k, v, lens):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
@@ -513,7 +585,9 @@ ERROR_CASES = [
      "block_table"),
     ("k_cache_expanded", lambda a: dict(k_cache=a["k_cache"][:1].expand_as(a["k_cache"])),
      ValueError, "k_cache"),
-    ("cache_leftpad", lambda a: dict(cache_leftpad=_i32(2)), NotImplementedError,
+    ("cache_leftpad_int64", lambda a: dict(cache_leftpad=_i32(2).long()), TypeError,
+     "cache_leftpad"),
+    ("cache_leftpad_len3", lambda a: dict(cache_leftpad=_i32(3)), ValueError,
      "cache_leftpad"),
     ("num_splits", lambda a: dict(num_splits=4), NotImplementedError, "num_splits"),
     ("cache_seqlens_int64", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), TypeError,

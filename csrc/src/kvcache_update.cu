@@ -79,8 +79,10 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
          e += index_t(gridDim.x) * kThreads) {
         if (e < p.batch) {
             const int b = int(e);
-            p.seqused_k[b] =
+            const int end =
                 int(min(max(first_row(b) + p.seqlen_new, index_t(0)), index_t(p.seqlen_cache)));
+            p.seqused_k[b] =
+                end - (p.cache_leftpad == nullptr ? 0 : min(max(p.cache_leftpad[b], 0), end));
             continue;
         }
         index_t x = e - p.batch;

@@ -48,7 +48,10 @@ struct KVCacheUpdateParams {
     bool q_rows_advance = false;  // q row j at position cache_seqlens[b] + j (causal or local)
     int batch = 0, batch_cache = 0, seqlen_cache = 0, seqlen_new = 0, seqlen_q = 0;
     int nheads = 0, nheads_k = 0, headdim = 0;
-    // Out, (batch,): min(max(cache_seqlens[b] + seqlen_new, 0), seqlen_cache).
+    // First cache row of batch b's keys (cache_leftpad), or nullptr: 0.
+    const int* cache_leftpad = nullptr;
+    // Out, (batch,): end - min(max(cache_leftpad[b], 0), end), the keys of batch b, with
+    // end = min(max(cache_seqlens[b] + seqlen_new, 0), seqlen_cache).
     int* seqused_k = nullptr;
 };
 

@@ -14,6 +14,7 @@ struct SeqInfo {
     index_t row_q;  // first row of this sequence in q's row space (batched: bidb * seqlen_q)
     index_t row_k;
     int bidb_k;  // the K/V batch entry (kv_batch_idx, clamped into K's batch); 0 when paged
+    int k_first;  // the sequence's first key row in its K/V rows (leftpad_k), else 0
     const int* pages;  // paged K/V: this sequence's row of the block table, else nullptr
 
     __device__ SeqInfo(const AttnShape& p, int bidb) {
@@ -41,6 +42,9 @@ struct SeqInfo {
         seqlen_q = min(seqlen_q, p.seqlen_q);
         seqlen_k = min(seqlen_k, p.seqlen_k);
         if (p.seqused_k != nullptr) seqlen_k = min(max(p.seqused_k[bidb], 0), seqlen_k);
+        // Dead (and not loaded) in code that only needs the lengths.
+        k_first = p.leftpad_k == nullptr ? 0
+                                         : min(max(p.leftpad_k[bidb], 0), p.seqlen_k - seqlen_k);
     }
 
     // Element offset of (row, head) for an operand: batched tensors use the batch stride, varlen
@@ -51,7 +55,7 @@ struct SeqInfo {
     }
     __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int row,
                                 int head) const {
-        return offset(s, p, bidb_k, row_k, row, head);
+        return offset(s, p, bidb_k, row_k, k_first + row, head);
     }
 
     // Paged K/V: the page holding key row `row`, and the row within it.
