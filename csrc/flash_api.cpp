@@ -308,6 +308,22 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
                                                                          : int(window_right);
 }
 
+// ALiBi slopes: float32 (nheads,) or (batch, nheads), last dim contiguous, on q's device;
+// fill_shape first (the unit depends on the scale and softcap).
+void set_alibi(flash::AttnShape& s, const std::optional<at::Tensor>& slopes, const Problem& pb,
+               const at::Tensor& q) {
+    if (!slopes.has_value()) return;
+    const at::Tensor& a = *slopes;
+    FA_CHECK(a.scalar_type() == at::kFloat && a.device() == q.device() && a.stride(-1) == 1 &&
+                 ((a.dim() == 1 && a.size(0) == pb.nheads) ||
+                  (a.dim() == 2 && a.size(0) == pb.batch && a.size(1) == pb.nheads)),
+             "flash_attn: alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, "
+             "nheads) on q's device with a contiguous last dim");
+    s.alibi_slopes = a.data_ptr<float>();
+    s.alibi_batch_stride = a.dim() == 2 ? a.stride(0) : 0;
+    s.alibi_unit = s.softcap > 0.f ? 1.f / s.softcap : 1.f / s.softmax_scale;
+}
+
 // Grids are flat and gridDim.x is at most 2^31 - 1. Every tile (and the row kernels' blocks)
 // covers at least 64 rows, so this bound holds for each launch.
 void check_grid(const Problem& pb) {
@@ -344,7 +360,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             int64_t window_left, int64_t window_right, double softcap,
                             std::optional<at::Tensor> kv_batch_idx,
                             std::optional<at::Tensor> block_table,
-                            std::optional<at::Tensor> leftpad_k) {
+                            std::optional<at::Tensor> leftpad_k,
+                            std::optional<at::Tensor> alibi_slopes) {
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
     if (leftpad_k.has_value()) {
@@ -356,10 +373,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
-    // block_n); other page sizes run on the SM80 kernels (key blocks of 64).
+    // block_n); other page sizes, and ALiBi, run on the SM80 kernels (key blocks of 64).
     const int tier = flash::headdim_tier(int(pb.headdim));
     const bool sm90_ok =
-        pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0;
+        !alibi_slopes.has_value() &&
+        (pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0);
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 
@@ -398,6 +416,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (seqused_k.has_value()) p.seqused_k = seqused_k->data_ptr<int>();
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
     if (leftpad_k.has_value()) p.leftpad_k = leftpad_k->data_ptr<int>();
+    set_alibi(p, alibi_slopes, pb, q);
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
         p.block_table_stride = block_table->stride(0);
@@ -429,7 +448,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                             std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
-                            bool deterministic) {
+                            bool deterministic, std::optional<at::Tensor> alibi_slopes) {
     if (deterministic) {
         raise_not_implemented(
             "flash_attn: deterministic=True backward is not implemented (dq is accumulated with "
@@ -497,6 +516,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     flash::BwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
                softcap);
+    set_alibi(p, alibi_slopes, pb, q);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -688,8 +708,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
-          py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none());
-    m.def("bwd", &bwd, "attention backward");
+          py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none(),
+          py::arg("alibi_slopes") = py::none());
+    m.def("bwd", &bwd, "attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("dq"), py::arg("dk"),
+          py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+          py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
+          py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
+          py::arg("softcap"), py::arg("deterministic"), py::arg("alibi_slopes") = py::none());
     m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update",
           py::arg("k_cache"), py::arg("v_cache"), py::arg("q_rot"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("cache_seqlens"), py::arg("seqlen_offset"),

@@ -6,8 +6,8 @@ given and what is expected:
 
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
-* ``NotImplementedError``: a valid combination this package does not implement (dropout,
-  ALiBi, a left-padded paged KV cache, a forced split count, deterministic CUDA backward).
+* ``NotImplementedError``: a valid combination this package does not implement (dropout, a
+  left-padded paged KV cache, a forced split count, deterministic CUDA backward).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -72,6 +72,7 @@ class AttnArgs(NamedTuple):
     softcap: float
     device_type: str
     dtype: torch.dtype
+    alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
 
 
 def check_inputs_enabled() -> bool:
@@ -262,7 +263,6 @@ def _check_options(
     causal,
     window_size,
     softcap,
-    alibi_slopes,
     deterministic,
     return_attn_probs,
     needs_grad: bool,
@@ -319,12 +319,6 @@ def _check_options(
     if not (_isfinite(cap) and cap >= 0.0):
         raise ValueError(
             f"{fn}: softcap must be a finite number >= 0 (0 disables it), got {softcap!r}"
-        )
-
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            f"{fn}: alibi_slopes is not implemented yet (got a "
-            f"{type(alibi_slopes).__name__}); pass alibi_slopes=None"
         )
 
     if type(deterministic) is not bool:
@@ -428,6 +422,26 @@ def _check_cu_seqlens_values(
         )
 
 
+def _check_alibi(fn: str, alibi_slopes, q: Tensor, batch: int, nheads: int) -> Optional[Tensor]:
+    """alibi_slopes: None, or float32 (nheads,) or (batch, nheads) on q's device. Returns it
+    with a contiguous last dim."""
+    if alibi_slopes is None:
+        return None
+    _check_tensor(fn, "alibi_slopes", alibi_slopes)
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(
+            f"{fn}: alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, "
+            f"nheads), got {alibi_slopes.dtype}; convert with alibi_slopes.float()"
+        )
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"{fn}: alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+            f"({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+        )
+    _check_same_device(fn, "q", q, "alibi_slopes", alibi_slopes)
+    return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
+
+
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
@@ -454,7 +468,7 @@ def validate_qkv(
                                                                 varlen=False)
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, deterministic, return_attn_probs,
+        deterministic, return_attn_probs,
         _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
     return AttnArgs(
@@ -462,6 +476,7 @@ def validate_qkv(
         total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         softcap=cap, device_type=device_type, dtype=q.dtype,
+        alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
     )
 
 
@@ -545,7 +560,7 @@ def validate_varlen_qkv(
             )
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, deterministic, return_attn_probs,
+        deterministic, return_attn_probs,
         _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
@@ -577,6 +592,7 @@ def validate_varlen_qkv(
         nheads_k=nheads_k,
         headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
+        alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
     )
 
 
@@ -807,7 +823,7 @@ def validate_kvcache(
         raise TypeError(f"{fn}: return_softmax_lse must be a bool, got {return_softmax_lse!r}")
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, 0.0, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, False, False, False,
+        False, False, False,
     )
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
@@ -847,6 +863,7 @@ def validate_kvcache(
         total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim, softmax_scale=scale,
         causal=causal, window_left=left, window_right=right, softcap=cap,
         device_type=device_type, dtype=q.dtype,
+        alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
     )
     return KVCacheArgs(attn, seqlen_new, cache_seqlens, rotary_dim, bool(rotary_interleaved),
                        return_softmax_lse)

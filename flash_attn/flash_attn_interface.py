@@ -15,7 +15,7 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``, as does
+* ``dropout_p > 0`` raises ``NotImplementedError``, as does
   ``deterministic=True`` when a CUDA backward will be needed.
 """
 
@@ -70,7 +70,7 @@ def _forward(
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-        kv_batch_idx, block_table, leftpad_k,
+        kv_batch_idx, block_table, leftpad_k, a.alibi_slopes,
     )
     return (out[..., :hd] if pad else out), lse
 
@@ -95,6 +95,7 @@ def _attention(
     probs = reference.attention_probs_ref(
         q.detach(), k.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
+        a.alibi_slopes,
     )
     return out, lse, probs
 
@@ -131,12 +132,15 @@ _SCORE_ARGS_DOC = """
             modeling).
         window_size: (left, right). If not (-1, -1), implements sliding window local
             attention.
-        softcap: float. Anything > 0 activates softcapping attention."""
+        softcap: float. Anything > 0 activates softcapping attention.
+        alibi_slopes: (nheads,) or (batch_size, nheads), fp32. A bias of
+            (-alibi_slope * |i + seqlen_k - seqlen_q - j|) is added to the attention score of
+            query i and key j (after the softcap). On the Hopper path the forward then runs
+            the SM80 kernels (the Hopper kernels take no bias)."""
 
 _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
             implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
-        alibi_slopes: must be None (ALiBi is not implemented yet).
         deterministic: bool. Whether to use the deterministic implementation of the backward
             pass. The CUDA backward is not deterministic (dq is accumulated with atomic adds),
             so True raises NotImplementedError when gradients are needed on CUDA. The CPU
@@ -599,7 +603,6 @@ flash_attn_with_kvcache.__doc__ = """
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +
             1 (i.e. GPT-NeoX style).
-        alibi_slopes: must be None (ALiBi is not implemented yet).
         num_splits: int. Must be 0: the kernels choose how many pieces to split the keys into
             (FLASH_ATTN_SPLIT=0 turns the split off); other values raise NotImplementedError.
         return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.

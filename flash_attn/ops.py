@@ -20,7 +20,7 @@ The signatures of ``_fwd`` / ``_bwd`` follow ``_C.fwd`` / ``_C.bwd`` (docs/INTER
 two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are
 not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
-``block_table`` and ``leftpad_k``) that the forward ignores and that is handed to ``_bwd`` by
+``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is handed to ``_bwd`` by
 the autograd formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
 ``q_rot``.
 
@@ -179,6 +179,7 @@ def _fwd_op(
     kv_batch_idx: Optional[Tensor] = None,
     block_table: Optional[Tensor] = None,
     leftpad_k: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -188,7 +189,7 @@ def _fwd_op(
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-             kv_batch_idx=None, block_table=None, leftpad_k=None):
+             kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
@@ -207,7 +208,7 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
         cu_seqlens_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap,
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
     )
 
 
@@ -228,7 +229,7 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 @_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None, leftpad_k=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, cu_seqlens_q)
@@ -237,7 +238,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     out, lse = ext.fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx, block_table,
-        leftpad_k,
+        leftpad_k, alibi_slopes,
     )
     return out, lse
 
@@ -245,7 +246,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None, leftpad_k=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -279,6 +280,7 @@ def _bwd_op(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_bwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -288,18 +290,19 @@ def _bwd_op(
 @_bwd_op.register_kernel("cpu")
 def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-             deterministic):
+             deterministic, alibi_slopes=None):
     # The reference is deterministic whatever `deterministic` says.
     return reference.attention_backward_ref(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+        alibi_slopes=alibi_slopes,
     )
 
 
 @_bwd_op.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic):
+              deterministic, alibi_slopes=None):
     if deterministic:
         raise NotImplementedError(
             "flash_attn: deterministic=True is not implemented for the CUDA backward (dq is "
@@ -312,7 +315,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
     dq, dk, dv = ext.bwd(
         dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-        deterministic,
+        deterministic, alibi_slopes,
     )
     return dq, dk, dv
 
@@ -320,7 +323,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic):
+              deterministic, alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -341,6 +344,7 @@ def flash_attn_bwd(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable.
 
@@ -351,10 +355,10 @@ def flash_attn_bwd(
     """
     args = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic)
+            deterministic, alibi_slopes)
     if (torch.compiler.is_compiling() or torch.is_grad_enabled()
             or not _direct_call_ok(q, dout, k, v, out, softmax_lse, cu_seqlens_q,
-                                   cu_seqlens_k)):
+                                   cu_seqlens_k, alibi_slopes)):
         return _bwd_op(*args)
     return _bwd_cuda(*args) if q.is_cuda else _bwd_cpu(*args)
 
@@ -367,9 +371,10 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx, block_table, leftpad_k) = inputs
+     kv_batch_idx, block_table, leftpad_k, alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
+                          alibi_slopes)
     ctx.has_seqused_k = seqused_k is not None
     ctx.paged = block_table is not None
     ctx.left_padded = leftpad_k is not None
@@ -386,7 +391,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx = ctx.saved_tensors
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
+     alibi_slopes) = ctx.saved_tensors
     if ctx.left_padded:
         raise NotImplementedError(
             "flash_attn: the backward pass does not support a left-padded K/V (cache_leftpad; "
@@ -411,12 +417,12 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv = flash_attn_bwd(
         dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
         ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left, ctx.window_right,
-        ctx.softcap, ctx.deterministic,
+        ctx.softcap, ctx.deterministic, alibi_slopes,
     )
     if idx is not None:  # entries read by several query batches sum their gradients
         dk = torch.zeros_like(k).index_add_(0, idx, dk)
         dv = torch.zeros_like(v).index_add_(0, idx, dv)
-    return (dq, dk, dv) + (None,) * 14
+    return (dq, dk, dv) + (None,) * 15
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -455,6 +461,7 @@ def flash_attn_fwd(
     kv_batch_idx: Optional[Tensor] = None,
     block_table: Optional[Tensor] = None,
     leftpad_k: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
     not differentiable).
@@ -467,11 +474,11 @@ def flash_attn_fwd(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table, leftpad_k)
+            kv_batch_idx, block_table, leftpad_k, alibi_slopes)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
-                                                             leftpad_k):
+                                                             leftpad_k, alibi_slopes):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttnFunc.apply(*args)

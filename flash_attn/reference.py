@@ -13,6 +13,9 @@ Semantics (shared with the CUDA kernels):
   ``causal=True`` means ``right = 0``. ``j < seqlen_k`` always.
 * ``seqused_k[b]`` (optional) limits batch ``b`` to its first ``seqused_k[b]`` keys; the mask's
   ``seqlen_k`` is then ``seqused_k[b]``.
+* ``alibi_slopes`` (optional, ``(nheads,)`` or ``(batch, nheads)``): the bias
+  ``-slope * |i + shift - j|`` (``shift`` as for the masks) is added to ``s`` of query head
+  ``h`` (after the softcap), with ``slope = alibi_slopes[h]`` or ``alibi_slopes[b, h]``.
 * Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA).
 * A row with no kept column has output 0, log-sum-exp ``+inf`` and zero gradients.
 
@@ -117,6 +120,24 @@ def _scores(q: Tensor, k: Tensor, softmax_scale: float, softcap: float):
     return s, None
 
 
+def _alibi_bias(slopes: Tensor, seqlen_q: int, seqlen_k: int, seqused_k: Optional[Tensor],
+                dtype: torch.dtype) -> Tensor:
+    """ALiBi's bias (b, h, sq, sk) for slopes (b, h): -slope * |i + sk - sq - j|, with sk the
+    sequence's keys (seqused_k[b] when given)."""
+    device = slopes.device
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    sk = seqlen_k if seqused_k is None else seqused_k.to(device).long().view(-1, 1, 1, 1)
+    return -slopes.to(dtype)[:, :, None, None] * (i + sk - seqlen_q - j).abs().to(dtype)
+
+
+def _slopes_per_batch(alibi_slopes: Optional[Tensor], batch: int) -> Optional[Tensor]:
+    """(nheads,) or (batch, nheads) slopes as (batch, nheads), or None."""
+    if alibi_slopes is None or alibi_slopes.dim() == 2:
+        return alibi_slopes
+    return alibi_slopes[None, :].expand(batch, -1)
+
+
 def _masked_softmax(s: Tensor, keep: Tensor):
     """Softmax over the kept entries of the last dim without producing NaNs (values or grads).
 
@@ -148,8 +169,10 @@ def _check_scale(softmax_scale: Optional[float], headdim: int) -> float:
     return float(softmax_scale)
 
 
-def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k):
-    """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d).
+def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
+                   alibi=None):
+    """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (b, h) or
+    None.
 
     Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
     b, sq, h, d = q.shape
@@ -157,6 +180,8 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
     ke = _expand_kv_heads(k, h)
     ve = _expand_kv_heads(v, h)
     s, _ = _scores(q, ke, softmax_scale, softcap)
+    if alibi is not None:
+        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, lse = _masked_softmax(s, keep)
     if seqused_k is not None:
@@ -168,7 +193,8 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
 
 
 def _backward_dense(
-    dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k
+    dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
+    alibi=None,
 ):
     """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype)."""
     b, sq, h, d = q.shape
@@ -176,6 +202,8 @@ def _backward_dense(
     ke = _expand_kv_heads(k, h)
     ve = _expand_kv_heads(v, h)
     s, t = _scores(q, ke, softmax_scale, softcap)
+    if alibi is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
+        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, _ = _masked_softmax(s, keep)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
@@ -208,6 +236,7 @@ def attention_forward_ref(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference forward.
 
@@ -218,7 +247,7 @@ def attention_forward_ref(
         seqused_k: (batch,) int32 or None: batch b only uses its first seqused_k[b] keys.
         max_seqlen_q, max_seqlen_k: ignored (the reference reads the lengths from cu_seqlens).
         softmax_scale: default 1 / sqrt(headdim).
-        causal, window_left, window_right, softcap: see the module docstring.
+        causal, window_left, window_right, softcap, alibi_slopes: see the module docstring.
     Return:
         out: same shape and dtype as q, contiguous.
         softmax_lse: float32, (batch, nheads, seqlen_q), or
@@ -231,12 +260,14 @@ def attention_forward_ref(
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     if cu_seqlens_q is None:
         out, lse = _forward_dense(
-            qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k
+            qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
+            _slopes_per_batch(alibi_slopes, q.shape[0]),
         )
         return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
     total_q, h, d = q.shape
     bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+    alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
     used = seqused_k.tolist() if seqused_k is not None else None
     out_parts, lse_parts = [], []
     covered = 0
@@ -247,6 +278,7 @@ def attention_forward_ref(
         o, l = _forward_dense(
             qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
             scale, causal, window_left, window_right, softcap, None,
+            None if alibi is None else alibi[b:b + 1],
         )
         out_parts.append(o[0])
         lse_parts.append(l[0])
@@ -278,6 +310,7 @@ def attention_backward_ref(
     softcap: float = 0.0,
     *,
     seqused_k: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: (dq, dk, dv) in the dtypes of (q, k, v), contiguous.
 
@@ -293,11 +326,13 @@ def attention_backward_ref(
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
     if cu_seqlens_q is None:
         dq, dk, dv = _backward_dense(
-            doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k
+            doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
+            _slopes_per_batch(alibi_slopes, q.shape[0]),
         )
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+        alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
         used = seqused_k.tolist() if seqused_k is not None else None
         for b in range(len(bq) - 1):
             q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
@@ -306,6 +341,7 @@ def attention_backward_ref(
             g = _backward_dense(
                 doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
                 vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
+                None if alibi is None else alibi[b:b + 1],
             )
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]
@@ -330,6 +366,7 @@ def attention_probs_ref(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tensor:
     """The attention probabilities ``exp(s - softmax_lse)`` on kept entries, 0 elsewhere.
 
@@ -346,17 +383,20 @@ def attention_probs_ref(
         qc, kc = q.to(cdt), k.to(cdt)
         lse = softmax_lse.to(cdt)
 
-        def dense(qb, kb, lseb):
+        def dense(qb, kb, lseb, alibi):
             h = qb.shape[2]
             s, _ = _scores(qb, _expand_kv_heads(kb, h), scale, softcap)
+            if alibi is not None:
+                s = s + _alibi_bias(alibi, qb.shape[1], kb.shape[1], None, s.dtype)
             keep = keep_mask(qb.shape[1], kb.shape[1], causal, window_left, window_right,
                              device=qb.device)
             # exp(s - (+inf)) = 0 on rows with nothing kept; where() also drops masked entries.
             return torch.where(keep, torch.exp(s - lseb.unsqueeze(-1)), torch.zeros_like(s))
 
         if cu_seqlens_q is None:
-            return dense(qc, kc, lse)
+            return dense(qc, kc, lse, _slopes_per_batch(alibi_slopes, q.shape[0]))
         bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
+        alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
         batch = len(bq) - 1
         lens_q = [bq[i + 1] - bq[i] for i in range(batch)]
         lens_k = [bk[i + 1] - bk[i] for i in range(batch)]
@@ -375,6 +415,7 @@ def attention_probs_ref(
                 qc[bq[b]:bq[b + 1]].unsqueeze(0),
                 kc[bk[b]:bk[b + 1]].unsqueeze(0),
                 lse[:, bq[b]:bq[b + 1]].unsqueeze(0),
+                None if alibi is None else alibi[b:b + 1],
             )
             probs[b, :, : lens_q[b], : lens_k[b]] = p[0]
         return probs

@@ -60,8 +60,9 @@ def keep_mask_ref(seqlen_q: int, seqlen_k: int, causal: bool, window_size, devic
     return keep
 
 
-def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq)."""
+def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype, alibi=None):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq); alibi: ALiBi
+    slopes (h,) or (b, h), or None."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     assert h % hk == 0, (h, hk)
@@ -85,6 +86,10 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        dist = (torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+                - torch.arange(sk, device=q.device)[None, :]).abs().to(acc_dtype)
+        s = s - alibi.to(acc_dtype).expand(b, h)[:, :, None, None] * dist
 
     keep = keep_mask_ref(sq, sk, causal, window_size, q.device)  # (sq, sk)
     s = s.masked_fill(~keep, -math.inf)
@@ -114,16 +119,20 @@ def attention_ref(
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference attention. Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d),
     lse (b, h, sq). Varlen (cu_seqlens_q and cu_seqlens_k given): q (total_q, h, d),
-    k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q). Differentiable."""
+    k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q). Differentiable.
+    alibi_slopes (h,) or (batch, h): the score of query i and key j gets
+    -slope * |i + sk - sq - j| (after the softcap)."""
     assert compute_dtype in LOW_DTYPES + HIGH_DTYPES, compute_dtype
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     window_size = (int(window_size[0]), int(window_size[1]))
     if cu_seqlens_q is None and cu_seqlens_k is None:
-        return _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype)
+        return _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype,
+                                alibi_slopes)
     assert cu_seqlens_q is not None and cu_seqlens_k is not None
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
@@ -133,7 +142,11 @@ def attention_ref(
         qs = q[cq[bi]:cq[bi + 1]].unsqueeze(0)
         ks = k[ck[bi]:ck[bi + 1]].unsqueeze(0)
         vs = v[ck[bi]:ck[bi + 1]].unsqueeze(0)
-        o, lse = _attention_dense(qs, ks, vs, scale, causal, window_size, softcap, compute_dtype)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi:bi + 1]
+        o, lse = _attention_dense(qs, ks, vs, scale, causal, window_size, softcap, compute_dtype,
+                                  slopes)
         outs.append(o.squeeze(0))
         lses.append(lse.squeeze(0))
     if not outs:  # batch 0

@@ -20,8 +20,9 @@ from flash_attn import (
 from flash_attn.reference import attention_forward_ref
 
 
-def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=0.0):
-    """Batched explicit-mask attention in float64 (independent of flash_attn.reference)."""
+def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=0.0, alibi=None):
+    """Batched explicit-mask attention in float64 (independent of flash_attn.reference);
+    alibi: ALiBi slopes (h,) or (b, h)."""
     q, k, v = q.double(), k.double(), v.double()
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -34,6 +35,8 @@ def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=
         right = 0
     i = torch.arange(sq).view(-1, 1) + (sk - sq)
     j = torch.arange(sk).view(1, -1)
+    if alibi is not None:
+        s = s - alibi.double().expand(b, h)[:, :, None, None] * (i - j).abs()
     keep = torch.ones(sq, sk, dtype=torch.bool)
     if left >= 0:
         keep &= j >= i - left
@@ -177,6 +180,66 @@ def test_flash_attn_func_matches_explicit(sq, sk, h, hk, d, causal, window, soft
     for x, y in zip(g, ge):
         assert x.shape == y.shape
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "sq,sk,h,hk,causal,window,softcap,per_batch",
+    [
+        (5, 9, 4, 2, False, (-1, -1), 0.0, False),
+        (9, 5, 4, 4, True, (-1, -1), 0.0, True),
+        (6, 6, 4, 1, False, (2, 1), 1.5, True),
+        (7, 4, 2, 2, True, (1, -1), 0.7, False),
+    ],
+)
+def test_alibi_matches_explicit(sq, sk, h, hk, causal, window, softcap, per_batch):
+    """alibi_slopes ((nheads,) or (batch, nheads)): the bias -slope * |i + sk - sq - j| on the
+    score after the softcap, in out, lse, the probabilities and the gradients."""
+    torch.manual_seed(40 + sq)
+    d = 8
+    q = rand(2, sq, h, d, requires_grad=True)
+    k = rand(2, sk, hk, d, requires_grad=True)
+    v = rand(2, sk, hk, d, requires_grad=True)
+    slopes = torch.rand(2, h) if per_batch else torch.rand(h)
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                      softcap=softcap, alibi_slopes=slopes,
+                                      return_attn_probs=True)
+    out_e, lse_e, p_e = explicit_attention(q, k, v, 1 / math.sqrt(d), causal, window[0],
+                                           window[1], softcap, slopes)
+    torch.testing.assert_close(out, out_e, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, lse_e.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, p_e, atol=1e-5, rtol=1e-5)
+    out_0, _, _ = explicit_attention(q, k, v, 1 / math.sqrt(d), causal, window[0], window[1],
+                                     softcap)
+    assert (out_e - out_0).abs().max() > 1e-3  # the bias moves the output
+    dout = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v), dout)
+    ge = torch.autograd.grad(out_e, (q, k, v), dout)
+    for x, y in zip(g, ge):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+def test_alibi_varlen_and_kvcache():
+    """Varlen: sequence b takes row b of (batch, nheads) slopes and its own alignment;
+    flash_attn_with_kvcache aligns the bias to each sequence's cache length."""
+    torch.manual_seed(44)
+    lens_q, lens_k = [3, 0, 5, 2], [4, 3, 7, 1]
+    q, k, v, cu_q, cu_k = _varlen_inputs(lens_q, lens_k, 4, 2, 8)
+    slopes = torch.rand(4, 4)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=True, alibi_slopes=slopes)
+    for b in range(4):
+        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        o, _, _ = explicit_attention(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None],
+                                     1 / math.sqrt(8), True, alibi=slopes[b:b + 1])
+        torch.testing.assert_close(out[q0:q1], o[0], atol=1e-10, rtol=1e-10)
+    k_cache, v_cache = rand(2, 9, 2, 8), rand(2, 9, 2, 8)
+    qd = rand(2, 2, 4, 8)
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    out = flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                  alibi_slopes=slopes[0])
+    for b, n in enumerate(lens.tolist()):
+        o, _, _ = explicit_attention(qd[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                                     1 / math.sqrt(8), True, alibi=slopes[0])
+        torch.testing.assert_close(out[b:b + 1], o, atol=1e-10, rtol=1e-10)
 
 
 def test_default_softmax_scale_uses_original_headdim():
@@ -469,11 +532,11 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         @staticmethod
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                kv_batch_idx=None, block_table=None, leftpad_k=None):
+                kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
-                                leftpad_k=leftpad_k)
+                                leftpad_k=leftpad_k, alibi_slopes=alibi_slopes)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
@@ -483,16 +546,17 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                                      enumerate(leftpad_k.tolist())]) for x in (k, v))
             return list(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap))
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes))
 
         @staticmethod
         def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, deterministic):
-            calls["bwd"] = dict(dq=dq, deterministic=deterministic)
+                softcap, deterministic, alibi_slopes=None):
+            calls["bwd"] = dict(dq=dq, deterministic=deterministic, alibi_slopes=alibi_slopes)
             return list(reference.attention_backward_ref(
                 dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap))
+                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                alibi_slopes=alibi_slopes))
 
     monkeypatch.setattr(ops, "_EXT", FakeExt)
     monkeypatch.setattr(ops, "require_kernel", lambda *args: None)  # no GPU to ask
@@ -505,14 +569,20 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
-                                leftpad_k=None)
+                                leftpad_k=None, alibi_slopes=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
                                              True, 2, 0, 1.5)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert calls["bwd"] == dict(dq=None, deterministic=False)
+    assert calls["bwd"] == dict(dq=None, deterministic=False, alibi_slopes=None)
+    # alibi_slopes last of fwd and of bwd
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    out, lse = ops._fwd_cuda(*args, False, None, None, None, slopes)
+    assert calls["fwd"]["alibi_slopes"] is slopes
+    ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False, slopes)
+    assert calls["bwd"]["alibi_slopes"] is slopes
     # kv_batch_idx is handed through last: query batch b reads K/V entry kv_batch_idx[b]
     qb, kb, vb = torch.randn(2, 3, 4, 8), torch.randn(3, 5, 2, 8), torch.randn(3, 5, 2, 8)
     idx = torch.tensor([2, 0], dtype=torch.int32)

@@ -127,7 +127,9 @@ ERROR_CASES = [
     ("dropout_p_-0.1", lambda: _call(dropout_p=-0.1), ValueError, arg_re("dropout_p")),
     # dropout is not implemented: it must not be silently ignored
     ("dropout_p_0.1", lambda: _call(dropout_p=0.1), NotImplementedError, r"dropout"),
-    ("alibi_slopes", lambda: _call(alibi_slopes=torch.ones(4, device="cuda")), NotImplementedError,
+    ("alibi_slopes_fp16", lambda: _call(alibi_slopes=torch.ones(4, device="cuda").half()),
+     TypeError, arg_re("alibi_slopes")),
+    ("alibi_slopes_on_cpu", lambda: _call(alibi_slopes=torch.ones(4)), ValueError,
      arg_re("alibi_slopes")),
     # packed layouts
     ("qkvpacked_pack_dim_2", lambda: flash_attn_qkvpacked_func(

@@ -690,7 +690,7 @@ ERROR_CASES = [
     ("cache_leftpad_past_cache", lambda: dict(k=None, v=None, cache_seqlens=None,
                                               cache_leftpad=seqlens(9, 0)),
      ValueError, [arg_re("cache_leftpad")]),
-    ("alibi_slopes", lambda: dict(alibi_slopes=torch.ones(4)), NotImplementedError,
+    ("alibi_slopes_shape", lambda: dict(alibi_slopes=torch.ones(2)), ValueError,
      [arg_re("alibi_slopes")]),
     ("num_splits_2", lambda: dict(num_splits=2), NotImplementedError, [arg_re("num_splits")]),
     ("rotary_without_k", lambda: dict(k=None, v=None, rotary_cos=grid_cos_sin(16, 16)[0],

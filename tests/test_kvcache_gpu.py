@@ -71,7 +71,8 @@ def rotate(x, cos, sin, pos, interleaved):
 
 def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                   cache_seqlens=None, cache_batch_idx=None, causal=False, window_size=(-1, -1),
-                  rotary_interleaved=True, block_table=None, cache_leftpad=None):
+                  rotary_interleaved=True, block_table=None, cache_leftpad=None,
+                  alibi_slopes=None):
     """``pt`` of the accuracy rule: attention_ref in q's dtype per sequence on
     cat(k_cache[e, cache_leftpad[b]:cache_seqlens[b]], rotated k[b]) (k_cache as before the
     call), q rotated at cache_seqlens[b] (+ j with causal or a window). Returns out (batch,
@@ -96,20 +97,25 @@ def lowp_baseline(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
         kb, vb = k_cache[e, first:c], v_cache[e, first:c]
         if k is not None:
             kb, vb = torch.cat([kb, k[i]]), torch.cat([vb, v[i]])
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i:i + 1]
         o, lse = attention_ref(q[i:i + 1], kb[None], vb[None], causal=causal,
-                               window_size=window_size, compute_dtype=q.dtype)
+                               window_size=window_size, compute_dtype=q.dtype,
+                               alibi_slopes=slopes)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
 def to_cpu(kw, dtype=None):
-    """kw with its tensors copied to CPU (floating ones cast to dtype when given)."""
+    """kw with its tensors copied to CPU (floating ones but the float32 alibi_slopes cast to
+    dtype when given)."""
     res = {}
     for name, x in kw.items():
         if isinstance(x, torch.Tensor):
             x = x.cpu()
-            if dtype is not None and x.is_floating_point():
+            if dtype is not None and x.is_floating_point() and name != "alibi_slopes":
                 x = x.to(dtype)
         res[name] = x
     return res
@@ -420,6 +426,25 @@ def test_cache_leftpad(pack, case, d, monkeypatch):
         kw.update(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
     check_against_cpu(q, k_cache, v_cache,
                       cache_leftpad=torch.tensor(pads, dtype=torch.int32, device="cuda"), **kw)
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill_leftpad"])
+def test_alibi(case):
+    """ALiBi with a cache: the bias aligns to each sequence's keys (cache_seqlens plus the new
+    rows, from cache_leftpad on), (batch, nheads) slopes, GQA 8:2."""
+    torch.manual_seed(14)
+    dt, d, sc, h, hk = torch.bfloat16, 128, 384, 8, 2
+    b, s = (3, 1) if case == "decode" else (2, 40)
+    lens = [0, 200, 383][:b] if case == "decode" else [100, 300]
+    pads = None if case == "decode" else [0, 77]
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, b, s, s, sc, h, hk, lens, leftpad=pads)
+    slopes = torch.tensor([2.0 ** (-(i + 1)) for i in range(h)], device="cuda")
+    slopes = slopes[None, :] * torch.linspace(0.5, 2.0, b, device="cuda")[:, None]
+    kw = dict(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+              causal=case != "decode", alibi_slopes=slopes)
+    if pads is not None:
+        kw["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32, device="cuda")
+    check_against_cpu(q, k_cache, v_cache, **kw)
 
 
 def test_cache_leftpad_out_of_range_without_checks(monkeypatch):

@@ -202,7 +202,7 @@ def test_cuda_value_checks_are_env_gated(fake_cuda, monkeypatch):
 
 def test_deterministic_cuda_backward_not_implemented():
     opts = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                softcap=0.0, alibi_slopes=None, deterministic=True, return_attn_probs=False)
+                softcap=0.0, deterministic=True, return_attn_probs=False)
     with raises(NotImplementedError, "fn", "deterministic=True", "atomic"):
         V._check_options("fn", "cuda", 64, *opts.values(), needs_grad=True)
     # fine without gradients, and always fine on CPU
@@ -307,12 +307,20 @@ def test_dropout_out_of_range(p):
         flash_attn_func(q, k, v, dropout_p=p)
 
 
-def test_alibi_not_implemented():
+def test_alibi_slopes_checked():
+    """alibi_slopes: float32 (nheads,) or (batch, nheads); other dtypes a TypeError, other
+    shapes a ValueError naming the expected ones."""
     q, k, v = qkv4()
-    with raises(NotImplementedError, "flash_attn_func", "alibi_slopes"):
-        flash_attn_func(q, k, v, alibi_slopes=torch.ones(4))
-    with raises(NotImplementedError, "flash_attn_kvpacked_func", "alibi_slopes"):
-        flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), alibi_slopes=torch.ones(4))
+    flash_attn_func(q, k, v, alibi_slopes=torch.ones(4))
+    flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), alibi_slopes=torch.ones(2, 4))
+    with raises(TypeError, "flash_attn_func", "alibi_slopes", "float32"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.float64))
+    with raises(TypeError, "flash_attn_func", "alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=[1.0, 1.0, 1.0, 1.0])
+    with raises(ValueError, "flash_attn_kvpacked_func", "alibi_slopes", "(2, 4)"):
+        flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), alibi_slopes=torch.ones(2))
+    with raises(ValueError, "flash_attn_func", "alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])

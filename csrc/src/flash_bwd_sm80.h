@@ -106,7 +106,9 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     });
 }
 
-template <class T, int kHeadDim>
+// kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers
+// (a run-time flag cost them 3-6%).
+template <class T, int kHeadDim, bool kAlibi>
 __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     flash_bwd_sm80_kernel(const __grid_constant__ BwdParams p) {
     using K = Sm80Bwd<T, kHeadDim>;
@@ -233,9 +235,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     const bool softcap = p.softcap > 0.f;
     constexpr float kLog2e = 1.4426950408889634f;
-    // One query tile. The general variant (mask or softcap) is a separate instantiation: folded
-    // into one body, the compiler predicates the mask and tanh code instead of branching over
-    // it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
+    // One query tile. The general variant (mask, softcap or ALiBi) is a separate instantiation:
+    // folded into one body, the compiler predicates the mask and tanh code instead of branching
+    // over it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
     auto step = [&](int m, auto general) {
         constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
@@ -269,17 +271,24 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_sdp.partition_fragment_B(sV);
             gemm_smem(mma_sdp, acc_dp, rA, rB, sdO_a, sV_b, ldsm_sdp_a, ldsm_sdp_b);
         }
+        AlibiBias bias{};
         if constexpr (kGeneral) {
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
             apply_mask(s_rc, cS_rc, mask, row0, col0);
         }
-        // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap.
+        if constexpr (kAlibi) bias = seq.alibi(p, bidb, bidh);
+        // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap (t
+        // without ALiBi's bias, a constant of the score).
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(s_rc); ++c) {
                 const float t = s_rc(r, c);
-                const float prob = exp2f(t * p.scale_log2 - lse_log2[r]);
+                float x = t;
+                if constexpr (kAlibi) {
+                    x += bias(row0 + get<0>(cS_rc(r, c)), col0 + get<1>(cS_rc(r, c)));
+                }
+                const float prob = exp2f(x * p.scale_log2 - lse_log2[r]);
                 s_rc(r, c) = prob;
                 dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]);
                 if constexpr (kGeneral) {
@@ -326,7 +335,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     };
 
     for (int m = m_first; m < m_last; ++m) {
-        if (softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
+        if (kAlibi || softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
             step(m, cute::true_type{});
         } else {
             step(m, cute::false_type{});
@@ -364,7 +373,8 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
                   p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
-    auto kernel = flash_bwd_sm80_kernel<T, kHeadDim>;
+    auto kernel = p.alibi_slopes != nullptr ? flash_bwd_sm80_kernel<T, kHeadDim, true>
+                                            : flash_bwd_sm80_kernel<T, kHeadDim, false>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }

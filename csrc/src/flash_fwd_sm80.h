@@ -36,7 +36,8 @@ struct Sm80Fwd {
     static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
 };
 
-template <class T, int kHeadDim>
+// kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers.
+template <class T, int kHeadDim, bool kAlibi>
 __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     flash_fwd_sm80_kernel(const __grid_constant__ FwdParams p) {
     using K = Sm80Fwd<T, kHeadDim>;
@@ -142,9 +143,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     OnlineSoftmax<kRows> softmax;
 
     const bool softcap = p.softcap > 0.f;
-    // One key tile. The general variant (mask or softcap) is a separate instantiation, so the
-    // per-element mask and tanh code neither adds register pressure to the plain tiles nor
-    // spends their issue slots as predicated-off instructions.
+    // One key tile. The general variant (mask, softcap or ALiBi) is a separate instantiation,
+    // so the per-element mask, tanh and bias code neither adds register pressure to the plain
+    // tiles nor spends their issue slots as predicated-off instructions.
     auto step = [&](int n, auto general) {
         Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
         clear(acc_s);
@@ -157,6 +158,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
         if constexpr (decltype(general)::value) {
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
+            if constexpr (kAlibi) {
+                apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), row0, n * kBlockN);
+            }
             apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
         }
 
@@ -175,7 +179,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     // Key tiles run from the last to the first so the masked diagonal tiles come first.
     for (int n = n_last - 1; n >= n_first; --n) {
-        if (softcap || mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
+        if (kAlibi || softcap || mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
             step(n, cute::true_type{});
         } else {
             step(n, cute::false_type{});
@@ -215,7 +219,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 template <class T, int kHeadDim>
 void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
     using K = Sm80Fwd<T, kHeadDim>;
-    auto kernel = flash_fwd_sm80_kernel<T, kHeadDim>;
+    auto kernel = p.alibi_slopes != nullptr ? flash_fwd_sm80_kernel<T, kHeadDim, true>
+                                            : flash_fwd_sm80_kernel<T, kHeadDim, false>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }

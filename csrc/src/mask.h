@@ -1,10 +1,24 @@
 // Mask policy shared by the SM80 and SM90 kernels: the bottom-right aligned causal/window band
-// plus the key-length bound. Works in sequence coordinates; the kernels map tile coordinates in.
+// plus the key-length bound, and ALiBi's bias. Works in sequence coordinates; the kernels map
+// tile coordinates in.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cmath>
+
 namespace flash {
+
+// ALiBi's bias in the units of the kernels' score t (AttnShape::alibi_unit folded into the
+// slope); `shift` aligns rows and columns bottom-right, as BandMask::shift().
+struct AlibiBias {
+    float slope;
+    int shift;
+
+    __host__ __device__ float operator()(int row, int col) const {
+        return -slope * fabsf(float(row + shift - col));
+    }
+};
 
 struct BandMask {
     int seqlen_q;

@@ -61,6 +61,14 @@ struct AttnShape {
     float softcap = 0.f;
     float softcap_prescale = 0.f;
 
+    // ALiBi, optional (SM80 kernels): the score of query i and key j gets the bias
+    // -slope * |i + seqlen_k - seqlen_q - j| (bottom-right aligned, per sequence), slope =
+    // alibi_slopes[b * alibi_batch_stride + h] (float32; stride 0: one slope per head).
+    // alibi_unit converts it to the units of t above (1 / softmax_scale, or 1 / softcap).
+    const float* alibi_slopes = nullptr;
+    index_t alibi_batch_stride = 0;
+    float alibi_unit = 0.f;
+
     // Bottom-right aligned window; negative means unbounded on that side.
     int window_left = -1;
     int window_right = -1;

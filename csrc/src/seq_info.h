@@ -77,6 +77,14 @@ struct SeqInfo {
         return BandMask{seqlen_q, seqlen_k, p.window_left, p.window_right};
     }
 
+    // Head `head`'s ALiBi bias (slope 0 without alibi_slopes).
+    __device__ AlibiBias alibi(const AttnShape& p, int bidb, int head) const {
+        const float slope = p.alibi_slopes == nullptr
+                                ? 0.f
+                                : p.alibi_slopes[bidb * p.alibi_batch_stride + head] * p.alibi_unit;
+        return AlibiBias{slope, seqlen_k - seqlen_q};
+    }
+
   private:
     __device__ index_t offset(const TensorStrides& s, const AttnShape& p, int bidb, index_t row0,
                               int row, int head) const {

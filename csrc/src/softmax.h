@@ -24,6 +24,19 @@ __forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
     for (int i = 0; i < size(s); ++i) s(i) = fast_tanh(s(i) * prescale);
 }
 
+// Adds ALiBi's bias to the scores: `s` and `coord` as for apply_mask below.
+template <class Tensor, class Coord>
+__forceinline__ __device__ void apply_alibi(Tensor& s, Coord const& coord, AlibiBias const& bias,
+                                            int row0, int col0) {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+            s(r, c) += bias(row0 + get<0>(coord(r, c)), col0 + get<1>(coord(r, c)));
+        }
+    }
+}
+
 // Whether a thread's columns are those of mma accumulators: pairs of neighbouring columns 8
 // apart, column c of the (rows, cols) view at offset 8 (c / 2) + c % 2 (SM80 mma.sync and SM90
 // WGMMA alike).
