@@ -107,7 +107,8 @@ _RETURN_DOC = """
             logsumexp of each row of the matrix QK^T * scaling (e.g., log of the softmax
             normalization factor); +inf for rows that attend to no key.
         S_dmask [optional, if return_attn_probs=True]: {probs_shape}. The attention
-            probabilities softmax(QK^T * scaling) with the masks applied (0 where masked),
+            probabilities softmax(QK^T * scaling + ALiBi bias) with the masks applied (0 where
+            masked),
             materialized in PyTorch from q, k and softmax_lse, in float32 (float64 for float64
             inputs), without gradients. This is for testing only: it costs O(seqlen_q *
             seqlen_k) memory and is not what the kernel computes internally.
@@ -558,8 +559,8 @@ flash_attn_with_kvcache.__doc__ = """
 
     The cache is read in place, with or without cache_batch_idx or block_table. This is an
     inference API: a backward pass through it raises NotImplementedError whenever
-    cache_seqlens, cache_leftpad or block_table is given (the backward kernels take none). Sequences that
-    share cache rows (a repeated cache_batch_idx, or pages in several rows of block_table)
+    cache_seqlens, cache_leftpad or block_table is given (the backward kernels take none).
+    Sequences that share cache rows (a repeated cache_batch_idx, or pages in several rows of block_table)
     and append k/v there leave those rows holding any one of their values.
 
     Arguments:

@@ -20,8 +20,8 @@ The signatures of ``_fwd`` / ``_bwd`` follow ``_C.fwd`` / ``_C.bwd`` (docs/INTER
 two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are
 not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
-``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is handed to ``_bwd`` by
-the autograd formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
+``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
+handed to ``_bwd`` by the autograd formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
 ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -194,8 +194,9 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
     if leftpad_k is not None:
-        if seqused_k is None:
-            raise ValueError("flash_attn: leftpad_k needs seqused_k (the keys from the pad on)")
+        if seqused_k is None or block_table is not None or cu_seqlens_k is not None:
+            raise ValueError("flash_attn: leftpad_k is for batched, unpaged K/V with seqused_k "
+                             "(the keys from the pad on)")
         k, v = reference.unpad_left(k, v, seqused_k, leftpad_k)
     if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)

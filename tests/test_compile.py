@@ -159,6 +159,16 @@ def test_opcheck_fwd_bwd():
     assert lse.shape == (4, 5) and lse.dtype == torch.float32
     _opcheck(bwd, (torch.randn_like(out), qv.detach(), kv.detach(), kv.detach(),
                    out.detach(), lse, cu, cu, 3, 3, 0.3, True, -1, 0, 0.0, False))
+    # the trailing optional tensors: ALiBi slopes ((nheads,) and (batch, nheads)), leftpad_k
+    for slopes in (torch.rand(4), torch.rand(2, 4)):
+        _opcheck(fwd, (q, k, v, None, None, None, 4, 5, 0.3, True, -1, 0, 0.0, False, None,
+                       None, None, slopes))
+        _opcheck(bwd, (torch.randn(2, 4, 4, 8), q.detach(), k.detach(), v.detach(),
+                       torch.randn(2, 4, 4, 8), torch.randn(2, 4, 4), None, None, 4, 5, 0.3,
+                       True, -1, 0, 0.0, False, slopes))
+    used, pad = torch.tensor([3, 4], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    _opcheck(fwd, (q.detach(), k.detach(), v.detach(), None, None, used, 4, 5, 0.3, True, -1,
+                   0, 0.0, False, None, None, pad))  # forward only
 
 
 def _have_cxx():

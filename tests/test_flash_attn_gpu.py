@@ -585,7 +585,7 @@ def _alibi_cases():
     for dtype, d, (sq, sk), (causal, w, cap) in itertools.product(
         ("bf16", "fp16"), (64, 128, 256), ((113, 203), (203, 113), (1, 239), (512, 512)),
         ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (64, 32), 0.0),
-         (True, (-1, -1), 30.0)),
+         (True, (-1, -1), 30.0), (False, (-1, -1), 2.0)),
     ):
         if dtype == "fp16" and d != 128:
             continue
@@ -597,7 +597,8 @@ def _alibi_cases():
 @pytest.mark.parametrize("case", params(_alibi_cases()))
 def test_alibi(case: Case, per_batch: bool):
     """alibi_slopes (nheads,) or (batch, nheads): out, dq, dk, dv against the reference with
-    the bias -slope * |i + sk - sq - j| (after the softcap), GQA 2:1."""
+    the bias -slope * |i + sk - sq - j| (after the softcap: at softcap 2 a bias taken into the
+    tanh, or into its derivative, would show), kv heads h // 2."""
     torch.manual_seed(3)
     b0, h0 = batch_heads(case.sq, case.sk)
     h = max(h0, 2)

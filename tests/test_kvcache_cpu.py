@@ -86,7 +86,7 @@ def rotary_ref(x, cos, sin, pos, interleaved):
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                rotary_interleaved=True):
+                rotary_interleaved=True, alibi_slopes=None):
     """Returns (out, lse, k_cache_after, v_cache_after), all float64; inputs are not modified.
     Keys of batch b: explicit concatenation of the old cache rows [cache_leftpad[b]:
     cache_seqlens[b]] with the (rotated) new k; explicit masked softmax per sequence."""
@@ -127,8 +127,11 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
         vals = torch.cat([v_cache[e, pad[bi]:c].double(), vn])
         if keys.shape[0] == 0:
             continue
+        slopes = None
+        if alibi_slopes is not None:  # (nheads,) or row bi of (batch, nheads)
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi:bi + 1]
         o, m, _ = explicit_attention(qb[None], keys[None], vals[None], scale, False, left, right,
-                                     softcap)
+                                     softcap, slopes)
         out[bi], lse[bi] = o[0], m[0]
     return out, lse, kc, vc
 
@@ -531,6 +534,19 @@ def test_cache_leftpad_with_cache_batch_idx_and_no_seqlens():
                cache_leftpad=seqlens(0, 5, 3), causal=True)
     check_call(q, k_cache, v_cache, cache_seqlens=seqlens(8, 6, 4), cache_leftpad=seqlens(1, 6, 0),
                cache_batch_idx=torch.tensor([0, 1, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_with_cache(per_batch):
+    """ALiBi aligned to each sequence's keys: from cache_leftpad to cache_seqlens plus the new
+    rows (rotated), slopes (nheads,) or (batch, nheads)."""
+    torch.manual_seed(32)
+    q, k_cache, v_cache, k, v = make(b=3, sq=3, sn=2, sc=16, h=4, hk=2)
+    cos, sin = grid_cos_sin(20, 16)
+    slopes = torch.rand(3, 4) if per_batch else torch.rand(4)
+    check_call(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens(9, 0, 14),
+               cache_leftpad=seqlens(4, 0, 1), causal=True, rotary_cos=cos, rotary_sin=sin,
+               alibi_slopes=slopes.float(), lse_tol=1e-4)
 
 
 def test_cache_leftpad_backward_raises():

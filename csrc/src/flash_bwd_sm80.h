@@ -235,9 +235,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     const bool softcap = p.softcap > 0.f;
     constexpr float kLog2e = 1.4426950408889634f;
-    // One query tile. The general variant (mask, softcap or ALiBi) is a separate instantiation:
-    // folded into one body, the compiler predicates the mask and tanh code instead of branching
-    // over it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
+    // One query tile. The general variant (mask or softcap) is a separate instantiation: folded
+    // into one body, the compiler predicates the mask and tanh code instead of branching over
+    // it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
     auto step = [&](int m, auto general) {
         constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     };
 
     for (int m = m_first; m < m_last; ++m) {
-        if (kAlibi || softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
+        if (softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
             step(m, cute::true_type{});
         } else {
             step(m, cute::false_type{});

@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     OnlineSoftmax<kRows> softmax;
 
     const bool softcap = p.softcap > 0.f;
-    // One key tile. The general variant (mask, softcap or ALiBi) is a separate instantiation,
-    // so the per-element mask, tanh and bias code neither adds register pressure to the plain
-    // tiles nor spends their issue slots as predicated-off instructions.
+    // One key tile. The general variant (mask or softcap) is a separate instantiation, so the
+    // per-element mask and tanh code neither adds register pressure to the plain tiles nor
+    // spends their issue slots as predicated-off instructions.
     auto step = [&](int n, auto general) {
         Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
         clear(acc_s);
@@ -158,11 +158,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         Tensor s_rc = make_tensor(acc_s.data(), acc_as_rows_cols(acc_s.layout()));
         if constexpr (decltype(general)::value) {
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
-            if constexpr (kAlibi) {
-                apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), row0, n * kBlockN);
-            }
-            apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
         }
+        if constexpr (kAlibi) apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), row0, n * kBlockN);
+        if constexpr (decltype(general)::value) apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed and every warp is done reading K(n)
@@ -179,7 +177,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     // Key tiles run from the last to the first so the masked diagonal tiles come first.
     for (int n = n_last - 1; n >= n_first; --n) {
-        if (kAlibi || softcap || mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
+        if (softcap || mask.tile_needs_mask(row0, kBlockM, n * kBlockN, kBlockN)) {
             step(n, cute::true_type{});
         } else {
             step(n, cute::false_type{});

@@ -1,6 +1,6 @@
 // Mask policy shared by the SM80 and SM90 kernels: the bottom-right aligned causal/window band
-// plus the key-length bound, and ALiBi's bias. Works in sequence coordinates; the kernels map
-// tile coordinates in.
+// plus the key-length bound; and ALiBi's bias (SM80 kernels). Works in sequence coordinates;
+// the kernels map tile coordinates in.
 #pragma once
 
 #include <cuda_runtime.h>

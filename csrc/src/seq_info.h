@@ -77,12 +77,11 @@ struct SeqInfo {
         return BandMask{seqlen_q, seqlen_k, p.window_left, p.window_right};
     }
 
-    // Head `head`'s ALiBi bias (slope 0 without alibi_slopes).
+    // Head `head`'s ALiBi bias (kernels instantiated for ALiBi: alibi_slopes is set). They
+    // load it per tile: kept across the key loop it would hold a register in every tile.
     __device__ AlibiBias alibi(const AttnShape& p, int bidb, int head) const {
-        const float slope = p.alibi_slopes == nullptr
-                                ? 0.f
-                                : p.alibi_slopes[bidb * p.alibi_batch_stride + head] * p.alibi_unit;
-        return AlibiBias{slope, seqlen_k - seqlen_q};
+        return AlibiBias{p.alibi_slopes[bidb * p.alibi_batch_stride + head] * p.alibi_unit,
+                         seqlen_k - seqlen_q};
     }
 
   private:
