@@ -560,8 +560,8 @@ flash_attn_with_kvcache.__doc__ = """
     The cache is read in place, with or without cache_batch_idx or block_table. This is an
     inference API: a backward pass through it raises NotImplementedError whenever
     cache_seqlens, cache_leftpad or block_table is given (the backward kernels take none).
-    Sequences that share cache rows (a repeated cache_batch_idx, or pages in several rows of block_table)
-    and append k/v there leave those rows holding any one of their values.
+    Sequences that share cache rows (a repeated cache_batch_idx, or pages in several rows of
+    block_table) and append k/v there leave those rows holding any one of their values.
 
     Arguments:
         q: (batch_size, seqlen, nheads, headdim)

@@ -21,8 +21,8 @@ two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv
 not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
-handed to ``_bwd`` by the autograd formula. ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and
-``q_rot``.
+handed to ``_bwd`` by the autograd formula. ``_kvcache_update`` follows
+``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
 stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),

@@ -122,20 +122,21 @@ def _scores(q: Tensor, k: Tensor, softmax_scale: float, softcap: float):
 
 def _alibi_bias(slopes: Tensor, seqlen_q: int, seqlen_k: int, seqused_k: Optional[Tensor],
                 dtype: torch.dtype) -> Tensor:
-    """ALiBi's bias (b, h, sq, sk) for slopes (b, h): -slope * |i + sk - sq - j|, with sk the
-    sequence's keys (seqused_k[b] when given)."""
+    """ALiBi's bias for slopes (h,) or (b, h), broadcastable to (b, h, sq, sk):
+    -slope * |i + sk - sq - j|, with sk the sequence's keys (seqused_k[b] when given)."""
     device = slopes.device
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     sk = seqlen_k if seqused_k is None else seqused_k.to(device).long().view(-1, 1, 1, 1)
-    return -slopes.to(dtype)[:, :, None, None] * (i + sk - seqlen_q - j).abs().to(dtype)
+    per_head = slopes.to(dtype).view(-1, slopes.shape[-1], 1, 1)
+    return -per_head * (i + sk - seqlen_q - j).abs().to(dtype)
 
 
-def _slopes_per_batch(alibi_slopes: Optional[Tensor], batch: int) -> Optional[Tensor]:
-    """(nheads,) or (batch, nheads) slopes as (batch, nheads), or None."""
-    if alibi_slopes is None or alibi_slopes.dim() == 2:
+def _sequence_slopes(alibi_slopes: Optional[Tensor], b: int) -> Optional[Tensor]:
+    """The slopes of varlen sequence b: (nheads,) as given, row b of (batch, nheads)."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
         return alibi_slopes
-    return alibi_slopes[None, :].expand(batch, -1)
+    return alibi_slopes[b:b + 1]
 
 
 def _masked_softmax(s: Tensor, keep: Tensor):
@@ -171,8 +172,8 @@ def _check_scale(softmax_scale: Optional[float], headdim: int) -> float:
 
 def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
                    alibi=None):
-    """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (b, h) or
-    None.
+    """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (h,),
+    (b, h) or None.
 
     Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
     b, sq, h, d = q.shape
@@ -261,13 +262,12 @@ def attention_forward_ref(
     if cu_seqlens_q is None:
         out, lse = _forward_dense(
             qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            _slopes_per_batch(alibi_slopes, q.shape[0]),
+            alibi_slopes,
         )
         return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
     total_q, h, d = q.shape
     bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
-    alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
     used = seqused_k.tolist() if seqused_k is not None else None
     out_parts, lse_parts = [], []
     covered = 0
@@ -278,7 +278,7 @@ def attention_forward_ref(
         o, l = _forward_dense(
             qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
             scale, causal, window_left, window_right, softcap, None,
-            None if alibi is None else alibi[b:b + 1],
+            _sequence_slopes(alibi_slopes, b),
         )
         out_parts.append(o[0])
         lse_parts.append(l[0])
@@ -327,12 +327,11 @@ def attention_backward_ref(
     if cu_seqlens_q is None:
         dq, dk, dv = _backward_dense(
             doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            _slopes_per_batch(alibi_slopes, q.shape[0]),
+            alibi_slopes,
         )
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
-        alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
         used = seqused_k.tolist() if seqused_k is not None else None
         for b in range(len(bq) - 1):
             q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
@@ -341,7 +340,7 @@ def attention_backward_ref(
             g = _backward_dense(
                 doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
                 vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
-                None if alibi is None else alibi[b:b + 1],
+                _sequence_slopes(alibi_slopes, b),
             )
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]
@@ -394,9 +393,8 @@ def attention_probs_ref(
             return torch.where(keep, torch.exp(s - lseb.unsqueeze(-1)), torch.zeros_like(s))
 
         if cu_seqlens_q is None:
-            return dense(qc, kc, lse, _slopes_per_batch(alibi_slopes, q.shape[0]))
+            return dense(qc, kc, lse, alibi_slopes)
         bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
-        alibi = _slopes_per_batch(alibi_slopes, len(bq) - 1)
         batch = len(bq) - 1
         lens_q = [bq[i + 1] - bq[i] for i in range(batch)]
         lens_k = [bk[i + 1] - bk[i] for i in range(batch)]
@@ -415,7 +413,7 @@ def attention_probs_ref(
                 qc[bq[b]:bq[b + 1]].unsqueeze(0),
                 kc[bk[b]:bk[b + 1]].unsqueeze(0),
                 lse[:, bq[b]:bq[b + 1]].unsqueeze(0),
-                None if alibi is None else alibi[b:b + 1],
+                _sequence_slopes(alibi_slopes, b),
             )
             probs[b, :, : lens_q[b], : lens_k[b]] = p[0]
         return probs

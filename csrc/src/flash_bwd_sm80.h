@@ -107,7 +107,7 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
 }
 
 // kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers
-// (a run-time flag cost them 3-6%).
+// (a run-time flag cost them 2-6%).
 template <class T, int kHeadDim, bool kAlibi>
 __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     flash_bwd_sm80_kernel(const __grid_constant__ BwdParams p) {
