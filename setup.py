@@ -468,7 +468,7 @@ def read_version() -> str:
         m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", init.read_text(), re.M)
         if m:
             return m.group(1)
-    return "0.1.0"
+    raise BuildConfigError(f"no __version__ = '...' line in {init}")
 
 
 def main():
@@ -504,9 +504,26 @@ def main():
     setup(
         name="flash_attn",
         version=read_version(),
-        description="FlashAttention (SM80 + SM90 CUDA kernels) with a PyTorch reference path",
+        description=("Exact, memory-efficient attention (FlashAttention-2 API) with SM80 and "
+                     "SM90 CUDA kernels and a PyTorch reference path"),
         long_description=readme.read_text() if readme.is_file() else "",
         long_description_content_type="text/markdown",
+        author="The flash_attn authors",
+        license="BSD-3-Clause",
+        license_files=["LICENSE"],
+        keywords=["attention", "transformer", "cuda", "flash-attention"],
+        project_urls={
+            "API (FlashAttention-2, implemented here)":
+                "https://github.com/Dao-AILab/flash-attention",
+            "FlashAttention-2 paper": "https://arxiv.org/abs/2307.08691",
+            "FlashAttention-3 paper": "https://arxiv.org/abs/2407.08608",
+        },
+        classifiers=[
+            "Programming Language :: Python :: 3",
+            "Operating System :: POSIX :: Linux",
+            "Environment :: GPU :: NVIDIA CUDA",
+            "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        ],
         packages=find_packages(include=[PKG_NAME, f"{PKG_NAME}.*"]),
         python_requires=">=3.10",
         install_requires=["torch"],

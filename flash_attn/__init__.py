@@ -1,7 +1,10 @@
 """FlashAttention-2 compatible attention: CUDA kernels (``flash_attn._C``) with a PyTorch
 reference on CPU. ``python -m flash_attn`` shows what was built."""
 
-__version__ = "0.1.0"
+# <FlashAttention-2 release whose Python API this implements>.<our release>: the first three
+# numbers let clients that gate on FlashAttention-2 versions (transformers wants >= 2.3.3) pick
+# the right code path; the fourth counts our releases at that API level (README, "Versions").
+__version__ = "2.8.3.1"
 
 from .build_info import build_info  # noqa: E402  (replaces the submodule attribute)
 from .flash_attn_interface import (  # noqa: E402

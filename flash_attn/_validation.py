@@ -97,6 +97,34 @@ def _is_int(x) -> bool:
     )
 
 
+def _as_int(x) -> Optional[Union[int, torch.SymInt]]:
+    """x as a Python int if it is an integer scalar, else None.
+
+    Accepts what FlashAttention-2's binding accepts (anything with ``__index__``): int, numpy
+    integers, ``torch.SymInt``, and 0-dim integer tensors. A 0-dim tensor is read with
+    ``.item()``, one device sync when it lives on the GPU (transformers' packed-sequence path
+    passes ``max_seqlen`` that way); a Python int costs nothing extra. bool is refused, as are
+    floats and tensors of other shapes or dtypes.
+    """
+    if type(x) is int:
+        return x
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, torch.SymInt):
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if (
+        isinstance(x, Tensor)
+        and x.dim() == 0
+        and not x.dtype.is_floating_point
+        and not x.dtype.is_complex
+        and x.dtype != torch.bool
+    ):
+        return x.item()
+    return None
+
+
 def _is_real(x) -> bool:
     t = type(x)
     return t is float or t is int or (
@@ -296,16 +324,15 @@ def _check_options(
     if type(causal) is not bool:  # bool has no subclasses: same as isinstance, cheaper
         raise TypeError(f"{fn}: causal must be a bool, got {causal!r}")
 
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not (_is_int(window_size[0]) and _is_int(window_size[1]))
-    ):
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        left, right = _as_int(window_size[0]), _as_int(window_size[1])
+    else:
+        left = right = None
+    if left is None or right is None:
         raise TypeError(
             f"{fn}: window_size must be a pair of ints (left, right), -1 meaning unbounded, "
             f"got {window_size!r}"
         )
-    left, right = int(window_size[0]), int(window_size[1])
     if left < -1 or right < -1:
         raise ValueError(
             f"{fn}: window_size entries must be >= -1 (-1 means unbounded), got {window_size!r}"
@@ -375,16 +402,17 @@ def _check_cu_seqlens(fn: str, name: str, cu: Tensor, q_name: str, q: Tensor) ->
 
 
 def _check_max_seqlen(fn: str, name: str, x) -> int:
-    if isinstance(x, Tensor):
+    n = _as_int(x)
+    if n is None:
+        got = (f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+               if isinstance(x, Tensor) else repr(x))
         raise TypeError(
-            f"{fn}: {name} must be a Python int, got a tensor; pass int({name}) (computing it "
-            f"once per batch, outside the model, avoids a device sync per call)"
+            f"{fn}: {name} must be an int (a Python or numpy integer, or a 0-dim integer "
+            f"tensor), got {got}"
         )
-    if not _is_int(x):
-        raise TypeError(f"{fn}: {name} must be an int, got {x!r}")
-    if x < 0:
-        raise ValueError(f"{fn}: {name} must be >= 0, got {x}")
-    return x
+    if n < 0:
+        raise ValueError(f"{fn}: {name} must be >= 0, got {n}")
+    return n
 
 
 def _check_cu_seqlens_values(
@@ -711,8 +739,10 @@ def validate_kvcache(
     (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v
     (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
     (seqlen_ro, rotary_dim / 2). Returns the normalized call."""
-    if not _is_int(num_splits):
+    splits = _as_int(num_splits)
+    if splits is None:
         raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
+    num_splits = splits
     if num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be >= 0, got {num_splits}")
     if num_splits != 0:

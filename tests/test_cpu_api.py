@@ -59,7 +59,15 @@ def cu_from_lens(lens):
 
 
 def test_exports_and_version():
-    assert flash_attn.__version__ == "0.1.0"
+    from importlib.metadata import version as dist_version
+
+    from packaging.version import Version
+
+    # The first three numbers are the FlashAttention-2 API level; transformers requires >= 2.3.3
+    # of the installed distribution "flash-attn" before it selects the package.
+    assert Version(flash_attn.__version__) >= Version("2.3.3")
+    assert Version(flash_attn.__version__).release[:3] == (2, 8, 3)
+    assert dist_version("flash-attn") == flash_attn.__version__
     for name in ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                  "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
                  "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "build_info"]:
@@ -93,7 +101,7 @@ def test_signatures_match_flash_attention_2():
 def test_build_info_without_extension():
     info = flash_attn.build_info()
     assert info["torch"] == torch.__version__
-    assert info["flash_attn"] == "0.1.0"
+    assert info["flash_attn"] == flash_attn.__version__
     if not info["available"]:
         assert isinstance(info["reason"], str) and info["reason"]
 
@@ -128,7 +136,7 @@ def test_main_prints_status():
     from flash_attn.__main__ import format_build_info
 
     text = format_build_info(flash_attn.build_info())
-    assert "flash_attn 0.1.0" in text and "torch" in text
+    assert f"flash_attn {flash_attn.__version__}" in text and "torch" in text
     fake = {
         "available": True, "flash_attn": "0.1.0", "torch": "x", "torch_cuda": "12.4",
         "cuda_available": True, "archs": [80, 90], "cuda": "12.4", "cutlass": "3.5",
@@ -518,7 +526,7 @@ def test_python_m_flash_attn_runs():
     proc = subprocess.run([sys.executable, "-m", "flash_attn"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "flash_attn 0.1.0" in proc.stdout and "torch" in proc.stdout
+    assert f"flash_attn {flash_attn.__version__}" in proc.stdout and "torch" in proc.stdout
 
 
 def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):

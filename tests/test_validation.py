@@ -267,10 +267,42 @@ def test_max_seqlen_type():
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, -1, mk)
     with raises(TypeError, "max_seqlen_q", "int"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3.0, mk)
-    with raises(TypeError, "max_seqlen_k", "tensor"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, torch.tensor(4))
+    with raises(TypeError, "max_seqlen_k", "tensor", "(2,)"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, torch.tensor([4, 4]))
+    with raises(TypeError, "max_seqlen_k", "torch.float32"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, torch.tensor(4.0))
+    with raises(TypeError, "max_seqlen_q", "True"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, True, mk)
+    with raises(ValueError, "max_seqlen_k", "longest", "4", "3"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, torch.tensor(3))
     # larger than needed is fine
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq + 3, mk + 1)
+
+
+@pytest.mark.parametrize("kind", ["tensor_int32", "tensor_int64", "numpy"])
+def test_max_seqlen_integer_scalars(kind):
+    """What FlashAttention-2 takes for max_seqlen (transformers' packed-sequence path passes
+    0-dim tensors): 0-dim integer tensors and numpy integers give the same result as ints."""
+    import numpy as np
+
+    torch.manual_seed(18)
+    q, k, v, cu_q, cu_k, mq, mk = varlen_inputs()
+    wrap = {
+        "tensor_int32": lambda n: torch.tensor(n, dtype=torch.int32),
+        "tensor_int64": lambda n: torch.tensor(n),
+        "numpy": np.int64,
+    }[kind]
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, wrap(mq), wrap(mk), causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    qkv = torch.randn(q.shape[0], 3, 2, 8)
+    want = flash_attn_varlen_qkvpacked_func(qkv, cu_q, mq)
+    got = flash_attn_varlen_qkvpacked_func(qkv, cu_q, wrap(mq))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    a = V.validate_varlen_qkv("f", q, k, v, cu_q, cu_k, wrap(mq), wrap(mk),
+                              window_size=(wrap(2), wrap(-1)))
+    assert type(a.seqlen_q) is int and type(a.seqlen_k) is int
+    assert (a.seqlen_q, a.seqlen_k, a.window_left, a.window_right) == (mq, mk, 2, -1)
 
 
 def test_block_table_needs_paged_k():
