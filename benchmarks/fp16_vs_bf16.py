@@ -5,7 +5,7 @@ tensors that hold bf16-representable values ("fp16, 8-bit values": the fp16 kern
 mantissa bits that bf16 inputs would toggle). Under the H100's 700 W cap the clock follows the
 power the tensor cores draw, which grows with the toggling bits of the operands: where the
 8-bit column matches bf16 and full fp16 does not, the gap is power, not instructions
-(benchmarks/NOTES.md, SM90 items 66b and 76).
+(docs/measurement.md, "fp16 against bf16"; current table in benchmarks/RESULTS.md).
 
     python benchmarks/fp16_vs_bf16.py --rounds 2
 """

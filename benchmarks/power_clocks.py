@@ -2,10 +2,10 @@
 
 The H100 of the device tool holds its 700 W power cap under every attention and GEMM kernel
 measured so far, so a kernel's speed is its work per clock times the clock the cap leaves it
-(benchmarks/NOTES.md, SM90 item 49). This prints, per kernel: TFLOP/s over the loop, and the
-median SM clock, power and throttle reasons that `nvidia-smi` sampled every 50 ms over the last
-three quarters of it. Shapes follow the benchmark grid (16k tokens, hidden 2048), bf16,
-non-causal; the attention calls are benchmark_attn.py's.
+(docs/measurement.md, "The power cap sets the clock"). This prints, per kernel: TFLOP/s over
+the loop, and the median SM clock, power and throttle reasons that `nvidia-smi` sampled every
+50 ms over the last three quarters of it. Shapes follow the benchmark grid (16k tokens, hidden
+2048), bf16, non-causal; the attention calls are benchmark_attn.py's.
 
     python benchmarks/power_clocks.py
 """
