@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parent
 PKG_NAME = "flash_attn"
 EXT_NAME = "flash_attn._C"
 
-HEADDIM_TIERS = (32, 64, 96, 128, 160, 192, 224, 256)
 ALL_DTYPES = ("fp16", "bf16")
 DEFAULT_ARCHS = "80;90"
 SM90_ARCH = 90
@@ -32,6 +31,17 @@ SM90_ARCH = 90
 SM80_INST_DIR = "csrc/instantiations"
 SM90_INST_DIR = "hopper/instantiations"
 GENERATOR = "scripts/generate_kernels.py"
+
+
+def _headdim_tiers() -> tuple[int, ...]:
+    # The one list of tiers is csrc/common/tiers.h; the generator reads it, and so does this.
+    spec = importlib.util.spec_from_file_location("generate_kernels", ROOT / GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.HEADDIM_TIERS
+
+
+HEADDIM_TIERS = _headdim_tiers()
 
 
 def log(msg: str) -> None:
@@ -155,9 +165,8 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
     with_sm90 = SM90_ARCH in archs
 
     cxx_sources = [root / "csrc" / "flash_api.cpp"]
-    cxx_sources += sorted((root / "csrc" / "src").glob("*.cpp"))
-    # Non-instantiation .cu helpers in csrc/src (if any) are compiled like the SM80 kernels.
-    sm80_sources = sorted((root / "csrc" / "src").glob("*.cu"))
+    # Kernels of csrc/common (the KV-cache update) run on every arch: built like the SM80 ones.
+    sm80_sources = sorted((root / "csrc" / "common").glob("*.cu"))
     missing = []
     for direction in directions:
         for d in headdims:
@@ -170,6 +179,11 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
             for dt in dtypes:
                 p = root / SM90_INST_DIR / f"flash_fwd_hdim{d}_{dt}_sm90.cu"
                 (sm90_sources if p.exists() else sm90_missing).append(p)
+                # The SM90 backward covers some tiers only (the generator writes those); the
+                # others run the SM80 backward.
+                p = root / SM90_INST_DIR / f"flash_bwd_hdim{d}_{dt}_sm90.cu"
+                if backward and p.exists():
+                    sm90_sources.append(p)
 
     return {
         "archs": archs,
@@ -452,8 +466,7 @@ def make_extension(cfg: dict, cutlass: Path):
     return CUDAExtension(
         name=EXT_NAME,
         sources=[rel(p) for p in sources],
-        include_dirs=[str(ROOT / "csrc"), str(ROOT / "csrc" / "src"), str(ROOT / "hopper"),
-                      str(cutlass)],
+        include_dirs=[str(ROOT / "csrc"), str(ROOT), str(cutlass)],
         extra_compile_args={
             "cxx": cfg["cxx_flags"] + defines,
             "nvcc": cfg["nvcc_flags"] + defines + cfg["sm80_gencode"],

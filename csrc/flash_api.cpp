@@ -15,10 +15,11 @@
 #include <string>
 #include <type_traits>
 
-#include "kvcache_update.h"
-#include "params.h"
-#include "registry.h"
-#include "tile_config.h"
+#include "common/kvcache_update.h"
+#include "common/params.h"
+#include "common/registry.h"
+#include "common/tiers.h"
+#include "hopper/tile_size.h"
 
 namespace {
 
@@ -333,7 +334,7 @@ void check_grid(const Problem& pb) {
              "2^31 - 1; split the batch into several calls");
 }
 
-// FwdParams::workspace: one byte tensor per call, kept alive by the caller's Workspace.
+// Params::workspace: one byte tensor per call, kept alive by the caller's Workspace.
 struct Workspace {
     at::TensorOptions options;
     at::Tensor bytes;
@@ -536,6 +537,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     p.dq_stride = strides_of(dq, pb.varlen);
     p.dk_stride = strides_of(dk_x, pb.varlen);
     p.dv_stride = strides_of(dv_x, pb.varlen);
+    Workspace workspace{q.options(), {}};
+    p.workspace = {&allocate_workspace, &workspace};
     entry.bwd(p, at::cuda::getCurrentCUDAStream());
     check_launch();
 

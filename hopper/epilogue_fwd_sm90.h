@@ -20,7 +20,7 @@
 
 #include "fwd_traits_sm90.h"
 #include "mainloop_fwd_sm90.h"
-#include "seq_info.h"
+#include "common/seq_info.h"
 #include "sm90_utils.h"
 #include "tile_scheduler.h"
 

@@ -17,8 +17,8 @@
 #include "epilogue_fwd_sm90.h"
 #include "fwd_traits_sm90.h"
 #include "mainloop_fwd_sm90.h"
-#include "params.h"
-#include "seq_info.h"
+#include "common/params.h"
+#include "common/seq_info.h"
 #include "sm90_utils.h"
 #include "tile_scheduler.h"
 

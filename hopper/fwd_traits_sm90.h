@@ -11,10 +11,10 @@
 #include <type_traits>
 #include <utility>
 
-#include "params.h"
+#include "common/params.h"
 #include "pipelines.h"
 #include "sm90_utils.h"
-#include "tile_config.h"
+#include "tile_size.h"
 #include "tile_scheduler.h"
 
 namespace flash {

@@ -14,8 +14,9 @@
 #include <cute/tensor.hpp>
 
 #include "fwd_traits_sm90.h"
-#include "seq_info.h"
-#include "softmax.h"
+#include "common/seq_info.h"
+#include "common/score.h"
+#include "common/softmax.h"
 #include "sm90_utils.h"
 
 namespace flash {

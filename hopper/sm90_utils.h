@@ -5,16 +5,22 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <type_traits>
 
 namespace flash {
 
 using namespace cute;
 
+// Threads of a warp group: the unit that issues a WGMMA and whose registers setmaxnreg sets.
+constexpr int kWarpGroupThreads = 128;
+// Rows of a WGMMA accumulator (the instruction's M): a consumer warp group's share of a tile.
+constexpr int kWarpGroupRows = 64;
+
 // Warp group 0 loads, the others compute.
 enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, kConsumer2 = 3 };
 
-// Hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing else in these kernels
-// uses named barriers, so the ids are ours from 1.
+// The forward kernel's hardware named-barrier ids (0 is __syncthreads; there are 16). Nothing
+// else in it uses named barriers, so the ids are ours from 1.
 enum class NamedBarrier : int {
     kConsumers = 1,      // all consumer threads (clearing a V tail before its PV GEMM)
     kTurnConsumer0 = 2,  // consumer warp group g may issue its GEMMs: kTurnConsumer0 + g
@@ -33,14 +39,19 @@ __forceinline__ __device__ NamedBarrier epilogue_barrier(int group) {
 // ptxas knows it is warp-uniform: branches on it then keep the uniform datapath (the pipeline
 // stage arithmetic of the key loop moved to vector registers and spilled without it).
 __forceinline__ __device__ int consumer_group() {
-    return __shfl_sync(0xffffffff, int(threadIdx.x) / 128 - 1, 0);
+    return __shfl_sync(0xffffffff, int(threadIdx.x) / kWarpGroupThreads - 1, 0);
 }
 
-__forceinline__ __device__ void barrier_sync(NamedBarrier id, int threads) {
+// Named-barrier operations on any kernel's barrier enum (each kernel names its own ids).
+template <class Barrier>
+__forceinline__ __device__ void barrier_sync(Barrier id, int threads) {
+    static_assert(std::is_enum_v<Barrier>);
     asm volatile("bar.sync %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
 }
 
-__forceinline__ __device__ void barrier_arrive(NamedBarrier id, int threads) {
+template <class Barrier>
+__forceinline__ __device__ void barrier_arrive(Barrier id, int threads) {
+    static_assert(std::is_enum_v<Barrier>);
     asm volatile("bar.arrive %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
 }
 

@@ -2,7 +2,7 @@
 // names exactly the key blocks in which tile_needs_mask finds nothing to mask, for causal,
 // window and unbounded bands, seqlen_q above, equal to and below seqlen_k, and row ranges that
 // start before the sequence (end-aligned top tiles) or run past it.
-#include "mask.h"
+#include "common/mask.h"
 
 namespace {
 

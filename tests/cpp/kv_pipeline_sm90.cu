@@ -1,7 +1,7 @@
 // Compile-time test: each pipeline accepts its own Params (this file must compile).
 #include <cute/tensor.hpp>
 
-#include "pipelines.h"
+#include "hopper/pipelines.h"
 
 __global__ void build_pipelines() {
     extern __shared__ char smem[];

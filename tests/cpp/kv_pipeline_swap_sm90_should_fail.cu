@@ -3,7 +3,7 @@
 // EXPECT_ERROR: no instance of constructor
 #include <cute/tensor.hpp>
 
-#include "pipelines.h"
+#include "hopper/pipelines.h"
 
 __global__ void swap_params() {
     extern __shared__ char smem[];

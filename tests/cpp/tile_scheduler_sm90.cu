@@ -13,7 +13,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "tile_scheduler.h"
+#include "hopper/tile_scheduler.h"
 
 namespace {
 

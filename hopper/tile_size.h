@@ -1,48 +1,8 @@
-// The one table of SM80-path tile sizes. Chosen once, deterministically, from the head-dim tier;
-// no runtime tuning. Each row says why.
+// The SM90 kernels' tile table. Chosen once, deterministically, from the head-dim tier; no
+// runtime tuning. Each row says why.
 #pragma once
 
 namespace flash {
-
-struct Sm80FwdTile {
-    int block_m, block_n, warps;
-};
-
-// Forward: 4 warps own 32-row slices of a 128-row Q tile while K/V stream through shared
-// memory, until the O accumulator (block_m x d / threads floats) crowds the register file;
-// past d=128 8 warps keep it at <= 128 floats per thread. Taller warp slices read fewer
-// ldmatrix bytes per FLOP (the K and V fragments serve 32 rows, not 16).
-constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    // Measured on the device (benchmarks/NOTES.md, SM80 items 8 and 12): block_n = 128 at d=64
-    // spills the S tile (128 floats per thread); at d=128 a 128x64 tile beats 64x128 by 4-8%
-    // without a mask and is within 2.5% causal; 8 warps on a 128-row tile lose at d <= 128.
-    return d <= 128 ? Sm80FwdTile{128, 64, 4}   // S 64 + O <= 128 floats per thread
-                    : Sm80FwdTile{128, 64, 8};  // O stays at <= 128 floats per thread
-}
-
-struct Sm80BwdTile {
-    int block_m, block_n, warps;
-    // Warps along the first GEMM dimension for S/dP (block_m x block_n), dK/dV (block_n x d) and
-    // dQ (block_m x d); the rest of the 8 warps split the second dimension. Squarer warp tiles
-    // need fewer ldmatrix bytes per MMA, and shared-memory bandwidth bounds these GEMMs.
-    int sdp_warps_m, dkv_warps_n, dq_warps_m;
-};
-
-// Backward: one CTA owns a K/V block and keeps dK, dV accumulators; 8 warps split them.
-// block_n = 128 halves the dQ atomics per key; past d=128 the K, V, Q, dO tiles no longer fit
-// shared memory at block_n = 128, so it drops to 64. The GEMMs are bound by shared-memory
-// reads (ldmatrix): at d <= 64 a 128-row Q tile gives each warp a larger, squarer share of
-// every GEMM (by count, 16% fewer bytes per FLOP than 64 rows); at d=128 the accumulators
-// leave no registers for it. Past d=128 the dK/dV and dQ outputs (64 x d) are split 2 x 4
-// (32 x d/4 per warp) where d % 64 == 0, squarer than 4 x 2. Measured: benchmarks/NOTES.md
-// (SM80 items 8, 10, 14).
-constexpr Sm80BwdTile sm80_bwd_tile(int d) {
-    // A first-dimension split of 2 puts 16 * 8 / 2 = 64 columns in one MMA tile: d % 64 == 0.
-    const int w = d % 64 == 0 ? 2 : 4;
-    return d <= 64    ? Sm80BwdTile{128, 128, 8, 2, 4, 4}  // 128 KiB
-           : d <= 128 ? Sm80BwdTile{64, 128, 8, 2, 4, w}   // 128 KiB
-                      : Sm80BwdTile{64, 64, 8, 4, w, w};   // 144 KiB at d=256
-}
 
 struct Sm90FwdTile {
     int block_m, block_n, stages;
@@ -88,14 +48,27 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
                       : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
 
-// Head-dim tiers that kernels are compiled for; a head dim runs on the smallest tier holding it.
-constexpr int kHeadDimTiers[] = {32, 64, 96, 128, 160, 192, 224, 256};
+struct Sm90BwdTile {
+    int block_m;  // query rows per step of the query loop
+    int block_n;  // key rows per CTA: 64 per consumer warp group
+    int stages;   // Q and dO buffers
+};
 
-constexpr int headdim_tier(int d) {
-    for (int t : kHeadDimTiers) {
-        if (d <= t) return t;
-    }
-    return 0;
+// SM90 backward: a CTA keeps a block_n-row K/V tile and its dK, dV accumulators in registers
+// (block_n / 64 consumer warp groups of 64 key rows each) and walks the query tiles that see it.
+// A group computes S^T and dP^T (64 x block_m), so P^T and dS^T are the register A operands of
+// dV += P^T dO and dK += dS^T Q; dQ = dS K reads dS from shared memory. Registers per consumer
+// thread: dK and dV d / 2 floats each, S^T and dP^T block_m / 2 each.
+// d <= 64: block_m = 128 (S^T, dP^T 64 floats each beside dK, dV 32 each): more work per Q/dO
+// load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats.
+// Two Q/dO stages let the next query tile load while this one computes.
+constexpr Sm90BwdTile sm90_bwd_tile(int d) {
+    return d <= 64 ? Sm90BwdTile{128, 128, 2} : Sm90BwdTile{64, 128, 2};
 }
+
+// Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
+// dV no longer fit the registers of a 64-row warp group; at d = 96 the halves of dQ's columns
+// (48) do not fall on whole swizzle atoms of K.
+constexpr bool sm90_bwd_supported(int d) { return d <= 64 || d == 128; }
 
 }  // namespace flash

@@ -7,12 +7,13 @@
 
 #include <cute/tensor.hpp>
 
-#include "params.h"
-#include "seq_info.h"
+#include "common/params.h"
+#include "common/seq_info.h"
 #include "sm80_traits.h"
 #include "sm80_utils.h"
-#include "softmax.h"
-#include "tile_config.h"
+#include "common/score.h"
+#include "common/softmax.h"
+#include "tile_size.h"
 
 namespace flash {
 

@@ -7,7 +7,7 @@
 #include <cute/tensor.hpp>
 #include <type_traits>
 
-#include "tile_config.h"
+#include "tile_size.h"
 
 namespace flash {
 

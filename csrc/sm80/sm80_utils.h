@@ -7,6 +7,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/fragment.h"
+
 namespace flash {
 
 using namespace cute;
@@ -25,17 +27,6 @@ template <class Layout>
 __forceinline__ __device__ auto acc_as_a_operand(Layout l) {
     auto d = logical_divide(l, Shape<Underscore, Underscore, _2>{});
     return make_layout(make_layout(get<0>(d), get<2, 0>(d)), get<1>(d), get<2, 1>(d));
-}
-
-template <class To, class Engine, class Layout>
-__forceinline__ __device__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-    using From = typename Engine::value_type;
-    constexpr int N = decltype(size(src))::value;
-    auto dst = make_tensor<To>(src.layout());
-    cutlass::NumericArrayConverter<To, From, N> convert;
-    *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-        convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-    return dst;
 }
 
 // acc += A * B with both operands read from shared memory; fragment k+1 is loaded while k runs.
@@ -109,46 +100,6 @@ __forceinline__ __device__ void store_tile(TiledCopy const& tcopy, Src const& sr
             }
         }
     }
-}
-
-// dst += acc for an MMA accumulator fragment, with global atomics; `dst` is the same partition of
-// global memory and `coord` of the tile's identity. Elements 2j and 2j+1 are adjacent columns, so
-// sm_90 adds them with one vector reduction. Interior tiles skip the bounds test.
-template <class Acc, class Dst, class Coord>
-__forceinline__ __device__ void atomic_add_fragment(Acc const& acc, Dst& dst, Coord const& coord,
-                                                    int max_row, int max_col, bool interior) {
-    auto add_pair = [&](int i) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float2*>(&dst(i)), make_float2(acc(i), acc(i + 1)));
-#else
-        atomicAdd(&dst(i), acc(i));
-        atomicAdd(&dst(i + 1), acc(i + 1));
-#endif
-    };
-    if (interior) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc); i += 2) add_pair(i);
-    } else {
-        // Compare compile-time offsets against per-thread limits (see apply_mask).
-        const int row_limit = max_row - get<0>(coord(0));
-        const int col_limit = max_col - get<1>(coord(0));
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc); i += 2) {
-            const auto off = coord.layout()(i);
-            if (get<0>(off) < row_limit && get<1>(off) < col_limit) add_pair(i);
-        }
-    }
-}
-
-// The 4 lanes of a quad share an accumulator row.
-__forceinline__ __device__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
-__forceinline__ __device__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
 }  // namespace flash

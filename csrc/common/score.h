@@ -1,0 +1,101 @@
+// Score policies shared by the SM80 and SM90 kernels, applied to a thread's score fragment
+// viewed as (rows, cols): softcap, ALiBi's bias and the band mask (mask.h), in that order.
+#pragma once
+
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "mask.h"
+
+namespace flash {
+
+using namespace cute;
+
+__forceinline__ __device__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Softcap: t = tanh(q.k * scale / softcap); the softmax then uses t * softcap * log2(e). Without
+// softcap t = q.k and the scale is folded into the same exp2 FMA.
+template <class Tensor>
+__forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) = fast_tanh(s(i) * prescale);
+}
+
+// Adds ALiBi's bias to the scores: `s` and `coord` as for apply_mask below.
+template <class Tensor, class Coord>
+__forceinline__ __device__ void apply_alibi(Tensor& s, Coord const& coord, AlibiBias const& bias,
+                                            int row0, int col0) {
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+            s(r, c) += bias(row0 + get<0>(coord(r, c)), col0 + get<1>(coord(r, c)));
+        }
+    }
+}
+
+// Whether a thread's columns are those of mma accumulators: pairs of neighbouring columns 8
+// apart, column c of the (rows, cols) view at offset 8 (c / 2) + c % 2 (SM80 mma.sync and SM90
+// WGMMA alike).
+template <class Offsets>
+__host__ __device__ constexpr bool is_pair_columns(Offsets const& offsets) {
+    for (int c = 0; c < int(size<1>(offsets)); ++c) {
+        if (int(get<1>(offsets(0, c))) != 8 * (c / 2) + c % 2) return false;
+    }
+    return true;
+}
+
+// Of 32 columns at offsets 8 (c / 2) + c % 2, those below x, as a bit mask (bit c).
+__forceinline__ __device__ uint32_t pair_columns_below(int x) {
+    x = max(x, 0);
+    const int n = min(2 * (x >> 3) + min(x & 7, 2), 32);
+    return __funnelshift_lc(0xffffffffu, 0u, n);  // the low n bits; all 32 for n = 32
+}
+
+// Sets masked scores to -inf. `s` and `coord` are (rows, cols) views; coord holds tile-local
+// (row, col) that row0/col0 shift into sequence coordinates. Column offsets inside the thread's
+// fragment are compile-time constants, so no per-column index stays live in registers (it would
+// be hoisted out of the key loop and spill). With the mma accumulators' columns each row's kept
+// columns [lo, hi) become a bit mask per 32 columns, whose bits the compiler moves into
+// predicates seven at a time (R2P): about one instruction per score instead of three (two
+// compares and a select; the first block of a short causal tile spent a third of its softmax
+// there, NOTES SM90 item 74). Otherwise each column is compared against immediates. With GQA
+// packing (`pack` > 1) tile rows are packed rows: query row = packed row / pack.
+template <class Tensor, class Coord>
+__forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMask const& mask,
+                                           int row0, int col0, int pack = 1) {
+    const auto base = coord(0, 0);
+    const auto offsets = coord.layout();
+    constexpr int kCols = decltype(size<1>(s))::value;
+    constexpr bool kPairs = is_pair_columns(decltype(offsets){});
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+        int lo, hi;
+        mask.col_limits((row0 + get<0>(base) + get<0>(offsets(r, 0))) / pack, lo, hi);
+        lo -= col0 + get<1>(base);
+        hi -= col0 + get<1>(base);
+        if constexpr (kPairs) {
+            CUTE_UNROLL
+            for (int chunk = 0; chunk < (kCols + 31) / 32; ++chunk) {
+                const uint32_t keep = pair_columns_below(hi - 128 * chunk) &
+                                      ~pair_columns_below(lo - 128 * chunk);
+                CUTE_UNROLL
+                for (int c = 32 * chunk; c < kCols && c < 32 * chunk + 32; ++c) {
+                    if (!((keep >> (c - 32 * chunk)) & 1u)) s(r, c) = -INFINITY;
+                }
+            }
+        } else {
+            CUTE_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+                const int col = get<1>(offsets(0, c));
+                if (col < lo || col >= hi) s(r, c) = -INFINITY;
+            }
+        }
+    }
+}
+
+}  // namespace flash

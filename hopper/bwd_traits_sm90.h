@@ -1,0 +1,179 @@
+// Types of the SM90 backward for one (dtype, head-dim tier): tile sizes (tile_size.h), WGMMA
+// tiles, swizzled shared-memory layouts, TMA copies, pipelines and the shared storage.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+#include <type_traits>
+#include <utility>
+
+#include "common/params.h"
+#include "pipelines.h"
+#include "sm90_utils.h"
+#include "tile_size.h"
+
+namespace flash {
+
+struct DoOperand {};
+
+// The backward kernel's named barriers (0 is __syncthreads).
+enum class BwdBarrier : int {
+    kDsWritten = 1,  // every consumer thread wrote its part of dS: the dQ GEMM may read it
+};
+
+// kAlibi: its own instantiation, so kernels without ALiBi keep their registers.
+template <class T, int kHeadDim, bool kAlibi_>
+struct Sm90BwdTraits {
+    using Element = T;
+    static constexpr bool kAlibi = kAlibi_;
+    static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
+    static constexpr int kBlockM = kTile.block_m;
+    static constexpr int kBlockN = kTile.block_n;
+    static constexpr int kStages = kTile.stages;
+    static constexpr int kConsumerWarpGroups = kBlockN / kWarpGroupRows;
+    static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWarpGroups;
+    static constexpr int kThreads = kWarpGroupThreads + kConsumerThreads;
+    // setmaxnreg: the producer only issues copies; the consumers hold dK, dV, S^T and dP^T.
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    static_assert(kConsumerWarpGroups == 2, "register split below assumes 384 threads");
+    static_assert(kWarpGroupThreads * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
+                  kThreads * (65536 / kThreads / 8 * 8));
+    static_assert(kBlockM == 64 || kBlockM == 128);
+
+    using BM = Int<kBlockM>;
+    using BN = Int<kBlockN>;
+    using D = Int<kHeadDim>;
+    using Stages = Int<kStages>;
+    using WarpGroupsAlongM = Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>;
+
+    // S^T = K Q^T and dP^T = V dO^T, (block_n x block_m): a warp group per 64 key rows, both
+    // operands K-major in shared memory.
+    using MmaSdP = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<T, T, float, Shape<_64, BM, D>>(), WarpGroupsAlongM{}));
+    // dV += P^T dO and dK += dS^T Q, (block_n x d): A is the previous GEMMs' accumulator in
+    // registers, B is dO or Q read MN-major (their rows are the K dimension).
+    using MmaKV = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BM>, GMMA::Major::K, GMMA::Major::MN>(),
+        WarpGroupsAlongM{}));
+    // dQ = dS K, (block_m x d), both operands MN-major in shared memory. With 128 query rows the
+    // warp groups take 64 rows each; with 64 they take half of the columns each.
+    static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
+    using DqAtom = std::conditional_t<kDqSplitRows, Shape<_64, D, BN>,
+                                      Shape<_64, Int<kHeadDim / kConsumerWarpGroups>, BN>>;
+    using DqWarpGroups = std::conditional_t<kDqSplitRows, WarpGroupsAlongM,
+                                            Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>>;
+    using MmaDq = decltype(make_tiled_mma(
+        GMMA::ss_op_selector<T, T, float, DqAtom, GMMA::Major::MN, GMMA::Major::MN>(),
+        DqWarpGroups{}));
+
+    // Rows of d elements (K, V, Q, dO) and dS^T's rows of block_m, swizzled in the atoms that
+    // TMA and WGMMA both read without bank conflicts.
+    using SmemAtomQ =
+        decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BM, D>());
+    using SmemAtomK =
+        decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BN, D>());
+    using SmemAtomDs =
+        decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BN, BM>());
+    using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Stages>{}));  // also dO
+    // Q (dO) as the B operand of dK (dV), (d, block_m, stages): the same bytes, transposed view.
+    using SmemLayoutQt = decltype(composition(
+        SmemLayoutQ{}, make_ordered_layout(Shape<D, BM, Stages>{}, Step<_2, _1, _3>{})));
+    using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D>{}));  // also V
+    // K as the B operand of dQ, (d, block_n).
+    using SmemLayoutKt =
+        decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
+    // dS^T as the consumers write it (block_n, block_m, 2 buffers), and as dQ's A operand
+    // (block_m, block_n, 2). Two buffers: a group may write step m + 1's while the other still
+    // reads step m's in its dQ GEMM.
+    using SmemLayoutDs = decltype(tile_to_shape(SmemAtomDs{}, Shape<BN, BM, _2>{}));
+    using SmemLayoutDsT = decltype(composition(
+        SmemLayoutDs{}, make_ordered_layout(Shape<BM, BN, _2>{}, Step<_2, _1, _3>{})));
+    using StoreDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaSdP{}));
+
+    // Global tensors as TMA sees them: (rows, d, heads, batch), as in the forward.
+    using GmemShape = Shape<int, int, int, int>;
+    using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+    using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<T const*>(nullptr)),
+                                            std::declval<GmemShape>(), std::declval<GmemStride>()));
+    using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                        take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
+    using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
+                                        SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+
+    using QPipe = OperandPipeline<QOperand, kStages>;
+    using DoPipe = OperandPipeline<DoOperand, kStages>;
+    using PipeState = cutlass::PipelineState<kStages>;
+
+    static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // a tile's LSE or D
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T) + kRowBytes;
+    static constexpr uint32_t kKVBytes = 2 * kBlockN * kHeadDim * sizeof(T);
+
+    struct SharedStorage {
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutK>> k;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutK>> v;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> q;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> dout;
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutDs>> ds;
+        // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
+        // buffers of Sm90BwdRows.
+        alignas(16) float lse[kStages * kBlockM];
+        alignas(16) float dsum[kStages * kBlockM];
+        typename QPipe::SharedStorage q_pipe;
+        typename DoPipe::SharedStorage do_pipe;
+        cutlass::arch::ClusterTransactionBarrier kv_full;
+    };
+    static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+    static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");
+};
+
+// Where the SM90 backward keeps each query row's log2-scaled LSE and rowsum(dO * O): fp32
+// buffers in which every sequence's rows start at a multiple of block_m and its last tile is
+// padded to block_m rows, so that a tile's values are one aligned bulk copy. Padding rows hold
+// LSE = +inf (P = 0) and D = 0, so rows past a sequence's end contribute nothing.
+// Batched: (batch, heads, padded seqlen_q). Varlen: (heads, rows) with sequence b at
+// block_m * floor((cu_seqlens_q[b] + b * block_m) / block_m), past the end of sequence b - 1's
+// padded tiles.
+struct Sm90BwdRows {
+    float* lse_log2 = nullptr;
+    float* dsum = nullptr;
+    int64_t head_stride = 0;  // rows per head
+
+    template <int kBlockM>
+    static int64_t rows_per_head(AttnShape const& p) {
+        const int64_t padded_q = (int64_t(p.seqlen_q) + kBlockM - 1) / kBlockM * kBlockM;
+        // Varlen: the offsets above stay below total_q + batch * block_m, and a sequence clamped
+        // to max_seqlen_q spans at most its padded length past its offset.
+        return p.is_varlen() ? int64_t(p.total_q) + int64_t(p.batch + 1) * kBlockM + padded_q
+                             : padded_q;
+    }
+
+    // Offset of (sequence, head)'s first row.
+    template <int kBlockM>
+    __device__ int64_t offset(AttnShape const& p, int64_t row_q, int bidb, int bidh) const {
+        if (p.is_varlen()) {
+            return bidh * head_stride + (row_q + int64_t(bidb) * kBlockM) / kBlockM * kBlockM;
+        }
+        return (int64_t(bidb) * p.nheads + bidh) * head_stride;
+    }
+};
+
+// Everything the kernel reads, passed by value as a __grid_constant__ (TMA descriptors must live
+// in parameter or constant memory).
+template <class Traits>
+struct Sm90BwdArgs {
+    BwdParams p;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaQ tma_do;
+    typename Traits::TmaK tma_k;
+    typename Traits::TmaK tma_v;
+    Sm90BwdRows rows;
+    // Extents of the TMA views: varlen has rows = total and batch = 1.
+    int rows_q, rows_k, batch;
+};
+
+}  // namespace flash

@@ -1,0 +1,195 @@
+// SM90 backward, three launches:
+//   1. rows:     per query row, rowsum(dO * O) and the log2-scaled LSE into the padded row
+//                buffers the main kernel bulk-copies (Sm90BwdRows).
+//   2. main:     warp-specialised, one CTA per (key tile, head, batch): warp group 0 produces
+//                (TMA loads of K, V once and of Q, dO per query tile; registers lowered with
+//                setmaxnreg), the consumer warp groups compute (Sm90BwdMainloop) and store dK,
+//                dV (Sm90BwdEpilogue); dQ partials go to the fp32 accumulator with atomics.
+//   3. dq_write: dQ = softmax_scale * dq_accum in the input dtype (common/bwd_rows.h).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cute/tensor.hpp>
+
+#include "bwd_traits_sm90.h"
+#include "common/bwd_rows.h"
+#include "common/params.h"
+#include "common/seq_info.h"
+#include "epilogue_bwd_sm90.h"
+#include "mainloop_bwd_sm90.h"
+#include "sm90_utils.h"
+
+namespace flash {
+
+// Fills the padded row buffers: rows of a sequence's last tile past its end get LSE = +inf and
+// D = 0. A warp per row, kRowKernelRows rows per CTA.
+template <class T, int kBlockM>
+__global__ void flash_bwd_rows_sm90_kernel(const __grid_constant__ BwdParams p,
+                                           const __grid_constant__ Sm90BwdRows rows) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int padded_q = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+    const int row_blocks = (padded_q + kRowKernelRows - 1) / kRowKernelRows;
+    const int row_block = int(blockIdx.x % row_blocks);
+    const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
+    const SeqInfo seq(p, bidb);
+    const int seq_padded = (seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+    const int row_end = min(seq_padded, (row_block + 1) * kRowKernelRows);
+    const int64_t out = rows.offset<kBlockM>(p, seq.row_q, bidb, bidh);
+    const float* lse = p.lse + seq.lse_offset(p, bidb, bidh);
+    for (int row = row_block * kRowKernelRows + warp; row < row_end; row += blockDim.x / 32) {
+        const bool inside = row < seq.seqlen_q;
+        const float d = inside ? row_dot<T>(p, seq, bidb, bidh, row, lane) : 0.f;
+        if (lane == 0) {
+            rows.dsum[out + row] = d;
+            rows.lse_log2[out + row] = inside ? lse[row] * kLog2e : INFINITY;
+        }
+    }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs<Traits> a) {
+    using Mainloop = Sm90BwdMainloop<Traits>;
+    using Epilogue = Sm90BwdEpilogue<Traits>;
+    using QPipe = typename Traits::QPipe;
+    using DoPipe = typename Traits::DoPipe;
+    BwdParams const& p = a.p;
+
+    extern __shared__ __align__(1024) char smem[];
+    auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+
+    // Key tiles first, so that a causal grid starts with the tiles most query rows see.
+    const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const int n_block = int(blockIdx.x % n_blocks);
+    const int bidh = int(blockIdx.x / n_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / n_blocks) / p.nheads;
+    const SeqInfo seq(p, bidb);
+    const Sm90BwdGeometry g = Mainloop::geometry(p, seq, n_block);
+    if (g.keys <= 0) return;  // past a varlen sequence's keys: the whole CTA leaves
+
+    const bool is_producer = int(threadIdx.x) / kWarpGroupThreads == int(WarpGroupRole::kProducer);
+    constexpr int kConsumerWarps = Traits::kConsumerThreads / 32;
+    if (threadIdx.x == 0) ss.kv_full.init(1);
+    QPipe q_pipe(ss.q_pipe, pipeline_params<QPipe>(is_producer, Traits::kQBytes), kConsumerWarps);
+    DoPipe do_pipe(ss.do_pipe, pipeline_params<DoPipe>(is_producer, Traits::kQBytes),
+                   kConsumerWarps);
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();
+
+    if (is_producer) {
+        cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+        if (threadIdx.x / 32 != 0 || !g.has_queries()) return;  // one warp issues every load
+        auto q_state = cutlass::make_producer_start_state<QPipe>();
+        auto do_state = cutlass::make_producer_start_state<DoPipe>();
+        Mainloop::load(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g);
+        q_pipe.producer_tail(q_state);
+        do_pipe.producer_tail(do_state);
+    } else {
+        cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+        typename Traits::MmaKV mma_kv;
+        Tensor acc_dk = partition_fragment_C(mma_kv, Shape<typename Traits::BN, typename Traits::D>{});
+        Tensor acc_dv = partition_fragment_C(mma_kv, Shape<typename Traits::BN, typename Traits::D>{});
+        clear(acc_dk);
+        clear(acc_dv);
+        if (g.has_queries()) {
+            typename Traits::PipeState q_state, do_state;
+            Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
+                              acc_dk, acc_dv);
+        }
+        Epilogue::store(p, seq, bidh, g, acc_dk, acc_dv);
+    }
+}
+
+// TMA needs every stride to be a multiple of 16 bytes; a mode of extent 1 is never stepped, so
+// any such stride serves for it.
+inline int64_t bwd_tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
+    return extent <= 1 ? headdim : stride;
+}
+
+template <class Traits>
+void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
+    using T = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    const bool varlen = p.is_varlen();
+    const int rows_q = varlen ? p.total_q : p.seqlen_q;
+    const int rows_k = varlen ? p.total_k : p.seqlen_k;
+    const int batch = varlen ? 1 : p.batch;
+
+    Sm90BwdRows rows;
+    rows.head_stride = Sm90BwdRows::rows_per_head<kBlockM>(p);
+    const int64_t entries = rows.head_stride * p.nheads * (varlen ? 1 : p.batch);
+    float* ws = static_cast<float*>(
+        p.workspace.allocate(p.workspace.context, 2 * entries * int64_t(sizeof(float))));
+    rows.lse_log2 = ws;
+    rows.dsum = ws + entries;
+    // Varlen buffers have rows outside every sequence; the bulk copies of a tile may read them.
+    if (varlen) cudaMemsetAsync(ws, 0, 2 * entries * sizeof(float), stream);
+    const int padded_q = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+    const unsigned row_grid =
+        unsigned((padded_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads;
+    flash_bwd_rows_sm90_kernel<T, kBlockM><<<row_grid, 256, 0, stream>>>(p, rows);
+
+    auto gmem = [&](const void* ptr, int rows_, int heads, TensorStrides const& s) {
+        return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
+                           make_shape(rows_, p.headdim, heads, batch),
+                           make_stride(bwd_tma_stride(s.row, rows_, p.headdim), _1{},
+                                       bwd_tma_stride(s.head, heads, p.headdim),
+                                       bwd_tma_stride(s.batch, batch, p.headdim)));
+    };
+    using BM = typename Traits::BM;
+    using BN = typename Traits::BN;
+    using D = typename Traits::D;
+    auto tma_q = [&](const void* ptr, TensorStrides const& s) {
+        return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, rows_q, p.nheads, s),
+                             take<0, 2>(typename Traits::SmemLayoutQ{}), Shape<BM, D>{}, _1{});
+    };
+    auto tma_k = [&](const void* ptr, TensorStrides const& s) {
+        return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, rows_k, p.nheads_k, s),
+                             typename Traits::SmemLayoutK{}, Shape<BN, D>{}, _1{});
+    };
+    const Sm90BwdArgs<Traits> args{p,
+                                   tma_q(p.q, p.q_stride),
+                                   tma_q(p.dout, p.do_stride),
+                                   tma_k(p.k, p.k_stride),
+                                   tma_k(p.v, p.v_stride),
+                                   rows,
+                                   rows_q,
+                                   rows_k,
+                                   batch};
+
+    auto kernel = flash_bwd_sm90_kernel<Traits>;
+    int device = 0;
+    cudaGetDevice(&device);
+    static std::atomic<bool> configured[64] = {};
+    if (device >= 64 || !configured[device].load(std::memory_order_relaxed)) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Traits::kSmemBytes);
+        if (device < 64) configured[device].store(true, std::memory_order_relaxed);
+    }
+    const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const dim3 grid(unsigned(n_blocks) * p.nheads * p.batch);
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+
+    const dim3 dq_grid(unsigned((p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch *
+                       p.nheads);
+    flash_bwd_dq_write_kernel<T, Traits::D::value><<<dq_grid, 256, 0, stream>>>(p);
+}
+
+template <class T, int kHeadDim>
+void run_bwd_sm90(BwdParams& p, cudaStream_t stream) {
+    if (p.alibi_slopes != nullptr) {
+        launch_bwd_sm90<Sm90BwdTraits<T, kHeadDim, true>>(p, stream);
+    } else {
+        launch_bwd_sm90<Sm90BwdTraits<T, kHeadDim, false>>(p, stream);
+    }
+}
+
+}  // namespace flash

@@ -1,0 +1,283 @@
+// Mainloop of the SM90 backward for one block_n-row K/V tile of one (batch, head).
+//   Producer (one warp): K and V once, by TMA; then for every query tile that sees the keys, Q
+//   with its log2 LSE and dO with its rowsum(dO * O), each into its own pipeline of stages.
+//   Consumers (a warp group per 64 key rows): S^T = K Q^T and dP^T = V dO^T, the score policy
+//   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q from registers, and
+//   dQ = dS K through shared memory into the fp32 accumulator with atomics.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cute/tensor.hpp>
+
+#include "bwd_traits_sm90.h"
+#include "common/fragment.h"
+#include "common/score.h"
+#include "common/seq_info.h"
+#include "sm90_utils.h"
+
+namespace flash {
+
+// The key tile of one CTA and the query tiles [m_first, m_last) that see it.
+struct Sm90BwdGeometry {
+    int n0;       // first key row of the tile
+    int keys;     // rows of the tile inside the sequence
+    int m_first, m_last;
+
+    __device__ bool has_queries() const { return m_last > m_first; }
+};
+
+template <class Traits>
+struct Sm90BwdMainloop {
+    using T = typename Traits::Element;
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    using BM = typename Traits::BM;
+    using BN = typename Traits::BN;
+    using D = typename Traits::D;
+    using Args = Sm90BwdArgs<Traits>;
+    using SharedStorage = typename Traits::SharedStorage;
+    using PipeState = typename Traits::PipeState;
+
+    static __device__ Sm90BwdGeometry geometry(BwdParams const& p, SeqInfo const& seq,
+                                               int n_block) {
+        Sm90BwdGeometry g;
+        g.n0 = n_block * kBlockN;
+        g.keys = min(kBlockN, seq.seqlen_k - g.n0);
+        seq.mask(p).query_block_range(g.n0, kBlockN, kBlockM, g.m_first, g.m_last);
+        return g;
+    }
+
+    // The tile's view of a TMA tensor: (rows, d) of this head and sequence.
+    template <class Tma>
+    static __device__ auto head_view(Tma const& tma, int rows, int headdim, int heads, int batch,
+                                     int head, int bidb, index_t row_offset) {
+        Tensor m = tma.get_tma_tensor(make_shape(rows, headdim, heads, batch));
+        return domain_offset(make_coord(int(row_offset), _0{}),
+                             m(_, _, head, batch == 1 ? 0 : bidb));
+    }
+
+    // ---------------------------------------------------------------- producer ----
+
+    // Run by one whole warp; lane 0 issues the copies.
+    static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::QPipe& q_pipe,
+                                typename Traits::DoPipe& do_pipe, PipeState& q_state,
+                                PipeState& do_state, SeqInfo const& seq, int bidb, int bidh,
+                                Sm90BwdGeometry const& g) {
+        BwdParams const& p = a.p;
+        const bool issuer = threadIdx.x % 32 == 0;
+        const int bidh_k = bidh / (p.nheads / p.nheads_k);
+        const bool varlen = p.is_varlen();
+
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
+
+        const index_t row_k = varlen ? seq.row_k : 0;
+        Tensor gK = local_tile(head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch,
+                                         bidh_k, bidb, row_k),
+                               Shape<BN, D>{}, make_coord(g.n0 / kBlockN, _0{}));
+        Tensor gV = local_tile(head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch,
+                                         bidh_k, bidb, row_k),
+                               Shape<BN, D>{}, make_coord(g.n0 / kBlockN, _0{}));
+        const index_t row_q = varlen ? seq.row_q : 0;
+        Tensor gQ = local_tile(
+            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
+            Shape<BM, D>{}, make_coord(_, _0{}));
+        Tensor gdO = local_tile(
+            head_view(a.tma_do, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
+            Shape<BM, D>{}, make_coord(_, _0{}));
+
+        if (issuer) {
+            ss.kv_full.arrive_and_expect_tx(Traits::kKVBytes);
+            auto tk = tma_partition(a.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+            auto tv = tma_partition(a.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+            copy(a.tma_k.with(reinterpret_cast<uint64_t&>(ss.kv_full)), get<0>(tk), get<1>(tk));
+            copy(a.tma_v.with(reinterpret_cast<uint64_t&>(ss.kv_full)), get<0>(tv), get<1>(tv));
+        }
+
+        auto tq = tma_partition(a.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                group_modes<0, 2>(gQ));
+        auto tdo = tma_partition(a.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                 group_modes<0, 2>(gdO));
+        const int64_t rows0 = a.rows.template offset<kBlockM>(p, seq.row_q, bidb, bidh);
+        for (int m = g.m_first; m < g.m_last; ++m) {
+            const int64_t rows = rows0 + int64_t(m) * kBlockM;
+            q_pipe.producer_acquire(q_state);
+            if (issuer) {
+                auto* bar = q_pipe.producer_get_barrier(q_state);
+                copy(a.tma_q.with(*bar), get<0>(tq)(_, m), get<1>(tq)(_, q_state.index()));
+                SM90_BULK_COPY_G2S::copy(a.rows.lse_log2 + rows, bar,
+                                         ss.lse + q_state.index() * kBlockM, Traits::kRowBytes);
+            }
+            ++q_state;
+            do_pipe.producer_acquire(do_state);
+            if (issuer) {
+                auto* bar = do_pipe.producer_get_barrier(do_state);
+                copy(a.tma_do.with(*bar), get<0>(tdo)(_, m), get<1>(tdo)(_, do_state.index()));
+                SM90_BULK_COPY_G2S::copy(a.rows.dsum + rows, bar,
+                                         ss.dsum + do_state.index() * kBlockM, Traits::kRowBytes);
+            }
+            ++do_state;
+        }
+    }
+
+    // ---------------------------------------------------------------- consumer ----
+
+    // Runs the tile's query loop for this consumer warp group: acc_dk, acc_dv get the group's 64
+    // key rows of dK (not yet scaled by softmax_scale) and dV; dQ's partial sums go to the
+    // accumulator in global memory.
+    template <class AccKV>
+    static __device__ void compute(Args const& a, SharedStorage& ss,
+                                   typename Traits::QPipe& q_pipe,
+                                   typename Traits::DoPipe& do_pipe, PipeState& q_state,
+                                   PipeState& do_state, SeqInfo const& seq, int bidb, int bidh,
+                                   Sm90BwdGeometry const& g, AccKV& acc_dk, AccKV& acc_dv) {
+        BwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - kWarpGroupThreads;
+        const BandMask mask = seq.mask(p);
+
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
+        Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
+        Tensor sDs = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDs{});
+        Tensor sDsT = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDsT{});
+
+        typename Traits::MmaSdP mma_sdp;
+        typename Traits::MmaKV mma_kv;
+        typename Traits::MmaDq mma_dq;
+        auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+        auto thr_kv = mma_kv.get_thread_slice(ctid);
+        auto thr_dq = mma_dq.get_thread_slice(ctid);
+        Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, 1, d/16)
+        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, d/16, stages)
+        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, 2)
+        Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
+
+        auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
+        Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, 2)
+
+        // This thread's (key, query) coordinates of the S^T tile, as a (rows, cols) view.
+        Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
+        Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
+        Tensor cDq = thr_dq.partition_C(make_identity_tensor(Shape<BM, D>{}));
+        float* dq_accum = p.dq_accum + seq.lse_offset(p, bidb, bidh) * kHeadDimTier;
+
+        AlibiBias bias{};
+        if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
+
+        // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
+        // GEMM is issued before dS^T is computed. With it, dS^T needs d tanh / d x = 1 - t^2 of
+        // each score, so P^T and dS^T are computed together once both GEMMs are done (t is not
+        // kept across the dV GEMM: a second score tile of registers).
+        auto step = [&](int m, auto softcap) {
+            constexpr bool kSoftcap = decltype(softcap)::value;
+            const int m0 = m * kBlockM;
+            const int q_stage = q_state.index();
+            const int do_stage = do_state.index();
+            Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+            Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+            Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
+            Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
+
+            q_pipe.consumer_wait(q_state);
+            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
+            do_pipe.consumer_wait(do_state);
+            wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
+            if constexpr (kSoftcap) {
+                warpgroup_wait<0>();
+            } else {
+                warpgroup_wait<1>();
+            }
+
+            // P^T = exp2(x * scale_log2 - lse_log2) column by column (a column is a query row),
+            // x = t plus ALiBi's bias; masked scores are -inf and padding rows have lse = +inf,
+            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap).
+            const bool masked = mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN);
+            const float* lse = ss.lse + q_stage * kBlockM;
+            const float* dsum = ss.dsum + do_stage * kBlockM;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s_rc); ++c) {
+                const int col = get<1>(cS_rc(0, c));
+                const float lse_c = lse[col];
+                const float d_c = kSoftcap ? dsum[col] : 0.f;
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(s_rc); ++r) {
+                    const int row = get<0>(cS_rc(r, c));
+                    const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
+                                             : s_rc(r, c);
+                    float x = t;
+                    if constexpr (Traits::kAlibi) x += bias(m0 + col, g.n0 + row);
+                    if (masked && !mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
+                    const float prob = exp2f(x * p.scale_log2 - lse_c);
+                    s_rc(r, c) = prob;
+                    if constexpr (kSoftcap) {
+                        dp_rc(r, c) = prob * (dp_rc(r, c) - d_c) * fmaxf(1.f - t * t, 0.f);
+                    }
+                }
+            }
+            Tensor rP = convert_fragment<T>(acc_s);
+            Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+            wgmma_issue<false>(mma_kv, rP_a, tKVrdOt(_, _, _, do_stage), acc_dv);
+            if constexpr (!kSoftcap) {
+                warpgroup_wait<1>();  // dP^T
+                CUTE_UNROLL
+                for (int c = 0; c < size<1>(dp_rc); ++c) {
+                    const float d_c = dsum[get<1>(cS_rc(0, c))];
+                    CUTE_UNROLL
+                    for (int r = 0; r < size<0>(dp_rc); ++r) {
+                        dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_c);
+                    }
+                }
+            }
+            Tensor rDs = convert_fragment<T>(acc_dp);
+            Tensor rDs_a = make_tensor(rDs.data(), wgmma_acc_as_a_operand(rDs.layout()));
+            wgmma_issue<false>(mma_kv, rDs_a, tKVrQt(_, _, _, q_stage), acc_dk);
+
+            // dS^T into this step's buffer for the dQ GEMM, which reads every group's rows. The
+            // barrier also tells each group that the others' dQ GEMMs of the step before last,
+            // which read this buffer, are done (each waits for its own before the next step).
+            const int ds_buf = (m - g.m_first) & 1;
+            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, ds_buf));
+            cutlass::arch::fence_view_async_shared();
+            barrier_sync(BwdBarrier::kDsWritten, Traits::kConsumerThreads);
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buf), tDqrKt, acc_dq);
+            warpgroup_wait<0>();
+            q_pipe.consumer_release(q_state);
+            do_pipe.consumer_release(do_state);
+            ++q_state;
+            ++do_state;
+
+            const int rows_left = seq.seqlen_q - m0;
+            Tensor gDq = make_tensor(make_gmem_ptr(dq_accum + index_t(m0) * kHeadDimTier),
+                                     Shape<BM, D>{}, Stride<D, _1>{});
+            Tensor tDqg = thr_dq.partition_C(gDq);
+            atomic_add_fragment(acc_dq, tDqg, cDq, rows_left, kHeadDimTier,
+                                rows_left >= kBlockM);
+        };
+
+        ss.kv_full.wait(0);
+        if (p.softcap > 0.f) {
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
+        } else {
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
+        }
+    }
+
+    static constexpr int kHeadDimTier = D::value;
+};
+
+}  // namespace flash
