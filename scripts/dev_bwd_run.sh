@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call for SM90 backward work: build (64/128, bf16), FlashAttention-3 in the
+# background, the backward GPU tests on the SM90 path, then the backward benchmark.
+set -uo pipefail
+export FLASH_ATTN_HEADDIMS=${FLASH_ATTN_HEADDIMS:-64,128} FLASH_ATTN_DTYPES=${FLASH_ATTN_DTYPES:-bf16}
+bash scripts/gpu_check.sh env build info > "$OUT/check.log" 2>&1
+tail -25 "$OUT/summary.txt"
+if [ "${FA3:-1}" = 1 ]; then
+  (MAX_JOBS=12 bash .peers/build_fa3.sh "$PWD/build/peers" > "$OUT/fa3.log" 2>&1) &
+fi
+FLASH_ATTN_TEST_PATHS=${PATHS:-sm90} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest ${TESTS:-tests/test_flash_attn_gpu.py tests/test_varlen_gpu.py} -q --maxfail=20 -rf -k "${TEST_K:-fwd_bwd or gqa or alibi or bwd}" > "$OUT/tests.log" 2>&1
+grep -E "passed|failed|error" "$OUT/tests.log" | tail -30
+wait
+lib=$(ls build/peers/fa3/hopper/flash_attn_3/_C*.so 2>/dev/null | head -1)
+tail -3 "$OUT/fa3.log" 2>/dev/null
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/benchmark_bwd.py ${lib:+--fa3 $lib} --hdims "${BENCH_HDIMS:-64,128}" --seqlens "${BENCH_SEQLENS:-512,2048,8192}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -20
