@@ -555,7 +555,7 @@ flash::Strides4 strides4(const at::Tensor& t) {
     return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-// flash_attn_with_kvcache's update (csrc/src/kvcache_update.h): k/v written into the caches in
+// flash_attn_with_kvcache's update (csrc/common/kvcache_update.h): k/v written into the caches in
 // place, q rotated into q_rot (given exactly when the rotary tables are), and the attention's
 // seqused_k returned. Any strides; the Python layer validates values and shapes first.
 at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<at::Tensor> q_rot,

@@ -348,7 +348,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
 // of one head per tile: short query sequences (decode). Where it saves less, the unpacked
 // kernels are faster: the packed one gathers Q with cp.async, stores O from registers and never
 // runs in clusters (4 query heads per KV head, packed / unpacked: d=128 non-causal 2048 0.94,
-// 8k 0.93, causal 2048 0.93; d=256 non-causal 2048 0.90, NOTES SM90 item 68). `few_tiles`: the
+// 8k 0.93, causal 2048 0.93; d=256 non-causal 2048 0.90). `few_tiles`: the
 // band kernel would run too few tiles to fill the GPU against many keys; the packed kernel
 // (also for a group of one query head) splits each tile's keys over SMs (kv_pieces).
 // FLASH_ATTN_PACK_GQA=1 packs every GQA call, =0 none (tests run both).

@@ -205,7 +205,7 @@ struct Sm90FwdMainloop {
 
     // Whether tiles with keys leave through shared memory and a TMA store (the epilogue's
     // store_staged): batched, unpacked tiles (the plain kernel runs batched tiles only), d >= 128.
-    // Below, a thread's O is four 16-byte stores, and staging lost 1-3.5% (NOTES SM90 item 30).
+    // Below, a thread's O is four 16-byte stores, and staging in a K/V stage lost 1-3.5%.
     static __device__ bool staged_output(FwdParams const& p) {
         return Traits::kStagedOutput && (!Traits::kBand || !p.is_varlen());
     }
@@ -449,7 +449,7 @@ struct Sm90FwdMainloop {
         if constexpr (Traits::kBand && !Traits::kPackGQA) {
             // The blocks this group's rows see whole run a step without the mask test (a copy
             // of the plain kernel's): testing every block cost the band kernel ~5% against the
-            // plain one on the same unmasked work (NOTES SM90 item 68). Not in the packed
+            // plain one on the same unmasked work. Not in the packed
             // kernel, whose row mapping leaves no registers for a second copy (it spilled in
             // the loop).
             int clean_lo, clean_hi;

@@ -36,7 +36,7 @@ namespace flash {
 // Each piece's CTAs leave their partial O and LSE in a workspace, and the consumer group that
 // completes a tile's last piece merges them (Sm90FwdEpilogue::merge_pieces). Unsplit, the
 // clusters past `tail` idle through the last round: on 128 x 176 tiles the d=128 non-causal
-// grid ran 1024 units on 66 clusters, 15.52 rounds in 16 (NOTES SM90 item 63). Also the
+// grid ran 1024 units on 66 clusters, 15.52 rounds in 16. Also the
 // split-KV of grids with fewer units than clusters (tail = units).
 struct SplitPlan {
     int full_units = 0;  // units run whole, a multiple of the clusters
@@ -55,7 +55,7 @@ struct SplitPlan {
 // partial output's write and the merge's reads, and the clusters reach the tail at different
 // times: split on/off, same build, graph-timed in turns, d=128 non-causal gained +1.2% at 8k
 // and +2.0% at 16k (22 and 45 blocks shorter), nothing at 2048 (5), and lost 1.5% at 1024 (3);
-// d=256 lost 5.7% at 1024 (3) (NOTES SM90 item 64).
+// d=256 lost 5.7% at 1024 (3).
 constexpr int kSplitMinSaving = 8;
 // At most this many clusters share a tile: the merge reads every other piece's output.
 constexpr int kMaxSplit = 4;
@@ -106,7 +106,7 @@ __host__ __device__ constexpr SplitPlan plan_split(int units, int clusters, int 
 // Division by a divisor fixed at launch: a multiply-high, an add and a shift (the round-up
 // method of Granlund and Montgomery, exact for every dividend in [0, 2^31)), where `/` by a
 // run-time int is a sequence of ~25 instructions. The dynamic schedule's decode took four of
-// them, ~120 instructions in each of the twelve consumer warps at every tile (NOTES SM90 item 74).
+// them, ~120 instructions in each of the twelve consumer warps at every tile (now ~40).
 struct FastDivider {
     uint32_t mul = 1;  // the divisor 1: (n * 1 >> 32) + n = n
     int shift = 0;
@@ -151,7 +151,7 @@ struct TileSchedulerParams {
 };
 
 // Dynamic schedule: pieces per tile where `tiles` leave at least three quarters of `clusters`
-// idle. Decode at d=128 (benchmark_decode.py, NOTES SM90 item 72): 32 tiles in 4 pieces ran
+// idle. Decode at d=128 (benchmark_decode.py): 32 tiles in 4 pieces ran
 // 1.20-1.88x as fast as unsplit; 64 tiles in 2 pieces 0.95-0.99x at 10 of 12 shapes (64 SMs
 // already read K/V at 1.9-2.8 TB/s). Each piece keeps at least kMinPieceBlocks key blocks (its
 // fill, drain and partial output cost about a tile's fixed cost), and at most kMaxPieces

@@ -26,13 +26,13 @@ struct Sm90FwdTile {
 // d <= 64: three consumer groups on a 192-row tile give each softmax more GEMM work to hide
 // behind: +19% at 8k (396 -> 472), +20% at 16k causal. Four K/V stages (152 KiB; the tiles are
 // small) let the next tile's first blocks load further ahead: +6-9% at 512, +3-7% at 1024,
-// +1-3% at 2k (NOTES SM90 item 28).
+// +1-3% at 2k.
 // d <= 128: three groups on 192 x 128 as well, without `overlap`: S + O (128 floats) fit the
 // 160 registers that S + P + O do not, and a group's softmax then runs behind the other two
 // groups' GEMMs (per block 3 x 1024 tensor cycles against ~2300 of one group's own S GEMM,
 // softmax and PV issue). Against two groups on 128 x 176 with `overlap` (the softmax and its
 // own RS PV issue, ~2550 cycles per block, had left the tensor cores idle ~20% of the time):
-// non-causal +8-10% from 2048, causal +3-8% (NOTES SM90 item 65).
+// non-causal +8-10% from 2048, causal +3-8%.
 // d > 128: two groups with `overlap`; block_n shrinks as d grows so that Q and two stages fit
 // (the d=256 tile, with the pipelines' barriers and the lazy softmax's rounding terms, uses
 // all of it). Three groups would leave O alone (d / 2 floats) most of the 160 registers.

@@ -153,9 +153,9 @@ struct OnlineSoftmax {
     }
 
     // scale_rows(), skipped when no row max of this thread moved, which is most key blocks once
-    // the max has settled. The SM90 key loop gains 0-2% from the skip (d=128/256, NOTES SM90
-    // item 23); the SM80 loop, which rescales right after the exps, lost 3% to the branch at
-    // d=128 and keeps update()'s unconditional scale.
+    // the max has settled. The SM90 key loop gains 0-2% from the skip (d=128/256); the SM80
+    // loop, which rescales right after the exps, lost 3% to the branch at d=128 and keeps
+    // update()'s unconditional scale.
     template <class O>
     __forceinline__ __device__ static void rescale(O& o, float const (&corr)[kRows]) {
         bool moved = false;

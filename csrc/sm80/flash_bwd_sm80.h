@@ -29,7 +29,7 @@ struct Sm80Bwd {
     static constexpr int kWarps = kTile.warps;
     static constexpr int kThreads = kWarps * 32;
 
-    // One warp layout per GEMM shape (see tile_config.h); N of each MMA tile is 16 per warp so
+    // One warp layout per GEMM shape (see tile_size.h); N of each MMA tile is 16 per warp so
     // one ldmatrix.x4 feeds two 16x8 MMAs.
     template <int kWarpsM>
     using Mma = TiledMMA<Sm80MmaAtom<T>, Layout<Shape<Int<kWarpsM>, Int<kWarps / kWarpsM>, _1>>,

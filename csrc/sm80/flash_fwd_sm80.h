@@ -1,4 +1,4 @@
-// SM80 forward: one CTA per (Q tile, batch, head), tile sizes from tile_config.h. K and V
+// SM80 forward: one CTA per (Q tile, batch, head), tile sizes from tile_size.h. K and V
 // tiles stream through shared memory with cp.async, one tile in flight while the other is
 // consumed; S and P stay in registers (mma.sync m16n8k16, fp32 accumulation).
 #pragma once

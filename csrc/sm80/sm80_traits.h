@@ -1,5 +1,5 @@
 // SM80 types shared by the forward and backward kernels: the MMA atom, swizzled shared-memory
-// layouts and the copy atoms. Tile sizes come from tile_config.h.
+// layouts and the copy atoms. Tile sizes come from tile_size.h.
 #pragma once
 
 #include <cutlass/numeric_types.h>

@@ -13,9 +13,9 @@ struct Sm80FwdTile {
 // past d=128 8 warps keep it at <= 128 floats per thread. Taller warp slices read fewer
 // ldmatrix bytes per FLOP (the K and V fragments serve 32 rows, not 16).
 constexpr Sm80FwdTile sm80_fwd_tile(int d) {
-    // Measured on the device (benchmarks/NOTES.md, SM80 items 8 and 12): block_n = 128 at d=64
-    // spills the S tile (128 floats per thread); at d=128 a 128x64 tile beats 64x128 by 4-8%
-    // without a mask and is within 2.5% causal; 8 warps on a 128-row tile lose at d <= 128.
+    // Measured on the device: block_n = 128 at d=64 spills the S tile (128 floats per thread;
+    // -3..-7%); at d=128 a 128x64 tile beats 64x128 by 4-8% without a mask and is within 2.5%
+    // causal; 8 warps on a 128-row tile lose at d <= 128 (-5% at 128x128, -17% at 128x64).
     return d <= 128 ? Sm80FwdTile{128, 64, 4}   // S 64 + O <= 128 floats per thread
                     : Sm80FwdTile{128, 64, 8};  // O stays at <= 128 floats per thread
 }
@@ -34,8 +34,8 @@ struct Sm80BwdTile {
 // reads (ldmatrix): at d <= 64 a 128-row Q tile gives each warp a larger, squarer share of
 // every GEMM (by count, 16% fewer bytes per FLOP than 64 rows); at d=128 the accumulators
 // leave no registers for it. Past d=128 the dK/dV and dQ outputs (64 x d) are split 2 x 4
-// (32 x d/4 per warp) where d % 64 == 0, squarer than 4 x 2. Measured: benchmarks/NOTES.md
-// (SM80 items 8, 10, 14).
+// (32 x d/4 per warp) where d % 64 == 0, squarer than 4 x 2. Measured: 128 rows at d=64
+// +0.5..+3.6% over 64 rows; the 2 x 4 split at d=256 +6.5..+8.3% over 4 x 2.
 constexpr Sm80BwdTile sm80_bwd_tile(int d) {
     // A first-dimension split of 2 puts 16 * 8 / 2 = 64 columns in one MMA tile: d % 64 == 0.
     const int w = d % 64 == 0 ? 2 : 4;
