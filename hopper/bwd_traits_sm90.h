@@ -148,8 +148,9 @@ struct Sm90BwdRows {
         const int64_t padded_q = (int64_t(p.seqlen_q) + kBlockM - 1) / kBlockM * kBlockM;
         // Varlen: the offsets above stay below total_q + batch * block_m, and a sequence clamped
         // to max_seqlen_q spans at most its padded length past its offset.
-        return p.is_varlen() ? int64_t(p.total_q) + int64_t(p.batch + 1) * kBlockM + padded_q
-                             : padded_q;
+        // A multiple of block_m, so that every head's tiles stay 16-byte aligned.
+        const int64_t varlen_rows = int64_t(p.total_q) + int64_t(p.batch + 2) * kBlockM + padded_q;
+        return p.is_varlen() ? varlen_rows / kBlockM * kBlockM : padded_q;
     }
 
     // Offset of (sequence, head)'s first row.

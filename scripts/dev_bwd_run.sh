@@ -3,8 +3,8 @@
 # background, the backward GPU tests on the SM90 path, then the backward benchmark.
 set -uo pipefail
 export FLASH_ATTN_HEADDIMS=${FLASH_ATTN_HEADDIMS:-64,128} FLASH_ATTN_DTYPES=${FLASH_ATTN_DTYPES:-bf16}
-bash scripts/gpu_check.sh env build info > "$OUT/check.log" 2>&1
-tail -25 "$OUT/summary.txt"
+OUT=$PWD/build/gpu_check_logs bash scripts/gpu_check.sh ${STEPS:-env build info} > "$OUT/check.log" 2>&1
+tail -12 build/gpu_check_logs/summary.txt
 if [ "${FA3:-1}" = 1 ]; then
   (MAX_JOBS=12 bash .peers/build_fa3.sh "$PWD/build/peers" > "$OUT/fa3.log" 2>&1) &
 fi
