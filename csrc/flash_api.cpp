@@ -505,14 +505,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     at::Tensor dk_x = grouped ? alloc(expanded_shape) : dk;
     at::Tensor dv_x = grouped ? alloc(expanded_shape) : dv;
 
-    const int tier = flash::headdim_tier(pb.headdim);
-    const auto f32 = q.options().dtype(at::kFloat);
-    // dq_accum follows lse's row order, a row of `tier` floats each: a query tile's rows are
-    // contiguous, so the kernel addresses them from one pointer with constant offsets.
-    std::vector<int64_t> dq_accum_shape = lse.sizes().vec();
-    dq_accum_shape.push_back(tier);
-    at::Tensor dq_accum = at::zeros(dq_accum_shape, f32);
-    at::Tensor softmax_d = at::empty_like(lse);
+    // The SM80 kernels' scratch: dq_accum follows lse's row order, a row of `tier` floats each
+    // (a query tile's rows are contiguous, so the kernel addresses them from one pointer with
+    // constant offsets). The SM90 kernels take theirs from the workspace.
+    at::Tensor dq_accum, softmax_d;
+    if (entry.arch == 80) {
+        std::vector<int64_t> dq_accum_shape = lse.sizes().vec();
+        dq_accum_shape.push_back(flash::headdim_tier(pb.headdim));
+        dq_accum = at::zeros(dq_accum_shape, q.options().dtype(at::kFloat));
+        softmax_d = at::empty_like(lse);
+    }
 
     flash::BwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
@@ -527,8 +529,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     p.dq = dq.data_ptr();
     p.dk = dk_x.data_ptr();
     p.dv = dv_x.data_ptr();
-    p.dq_accum = dq_accum.data_ptr<float>();
-    p.softmax_d = softmax_d.data_ptr<float>();
+    if (entry.arch == 80) {
+        p.dq_accum = dq_accum.data_ptr<float>();
+        p.softmax_d = softmax_d.data_ptr<float>();
+    }
     p.q_stride = strides_of(q, pb.varlen);
     p.k_stride = strides_of(k, pb.varlen);
     p.v_stride = strides_of(v, pb.varlen);

@@ -23,6 +23,14 @@ struct DoOperand {};
 // The backward kernel's named barriers (0 is __syncthreads).
 enum class BwdBarrier : int {
     kDsWritten = 1,  // every consumer thread wrote its part of dS: the dQ GEMM may read it
+    kDqFull = 2,     // the consumers wrote a tile's dQ into shared memory (and the dQ warp waits)
+    kDqEmpty = 3,    // the dQ warp's reduction has read it: the consumers may write the next
+};
+
+// Warps of the producer warp group.
+enum class BwdProducerWarp : int {
+    kLoad = 0,      // TMA loads of K, V, Q, dO and the row values
+    kDqReduce = 1,  // bulk reductions of each tile's dQ into the fp32 accumulator
 };
 
 // kAlibi: its own instantiation, so kernels without ALiBi keep their registers.
@@ -121,6 +129,8 @@ struct Sm90BwdTraits {
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutDs>> ds;
         // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
         // buffers of Sm90BwdRows.
+        // A tile's dQ, fp32, in the accumulator's order (Sm90BwdRows::dq_accum).
+        alignas(128) float dq[kBlockM * kHeadDim];
         alignas(16) float lse[kStages * kBlockM];
         alignas(16) float dsum[kStages * kBlockM];
         typename QPipe::SharedStorage q_pipe;
@@ -138,9 +148,15 @@ struct Sm90BwdTraits {
 // Batched: (batch, heads, padded seqlen_q). Varlen: (heads, rows) with sequence b at
 // block_m * floor((cu_seqlens_q[b] + b * block_m) / block_m), past the end of sequence b - 1's
 // padded tiles.
+// dQ's fp32 accumulator uses the same rows, d floats each, in tiles of block_m rows whose
+// floats are stored in the consumer threads' fragment order (float4 j of thread t at 4 * (j *
+// threads + t)): each thread writes its fragment to shared memory without bank conflicts, and
+// the tile is added to the accumulator in one bulk reduction. Rows past a sequence's end get
+// exact zeros (their P is 0). The dQ kernel reads it back through the same fragment mapping.
 struct Sm90BwdRows {
     float* lse_log2 = nullptr;
     float* dsum = nullptr;
+    float* dq_accum = nullptr;
     int64_t head_stride = 0;  // rows per head
 
     template <int kBlockM>

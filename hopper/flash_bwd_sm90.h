@@ -4,8 +4,9 @@
 //   2. main:     warp-specialised, one CTA per (key tile, head, batch): warp group 0 produces
 //                (TMA loads of K, V once and of Q, dO per query tile; registers lowered with
 //                setmaxnreg), the consumer warp groups compute (Sm90BwdMainloop) and store dK,
-//                dV (Sm90BwdEpilogue); dQ partials go to the fp32 accumulator with atomics.
-//   3. dq_write: dQ = softmax_scale * dq_accum in the input dtype (common/bwd_rows.h).
+//                dV (Sm90BwdEpilogue); a producer warp adds each query tile's dQ to an fp32
+//                accumulator with bulk reductions.
+//   3. dq:       dQ = softmax_scale * that accumulator, in the input dtype.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -54,6 +55,51 @@ __global__ void flash_bwd_rows_sm90_kernel(const __grid_constant__ BwdParams p,
     }
 }
 
+// dQ = softmax_scale * the fp32 accumulator, in the input dtype: a CTA per query tile, whose
+// threads read back the fragments the consumer threads of that index wrote (Sm90BwdRows).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kConsumerThreads)
+    flash_bwd_dq_sm90_kernel(const __grid_constant__ BwdParams p,
+                             const __grid_constant__ Sm90BwdRows rows) {
+    using T = typename Traits::Element;
+    using BM = typename Traits::BM;
+    using D = typename Traits::D;
+    constexpr int kBlockM = Traits::kBlockM;
+    const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m = int(blockIdx.x % m_blocks);
+    const int bidh = int(blockIdx.x / m_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / m_blocks) / p.nheads;
+    const SeqInfo seq(p, bidb);
+    const int m0 = m * kBlockM;
+    if (m0 >= seq.seqlen_q) return;
+    typename Traits::MmaDq mma_dq;
+    auto thr = mma_dq.get_thread_slice(threadIdx.x);
+    Tensor acc = partition_fragment_C(mma_dq, Shape<BM, D>{});
+    Tensor coord = thr.partition_C(make_identity_tensor(Shape<BM, D>{}));
+    const float4* src = reinterpret_cast<const float4*>(
+        rows.dq_accum + (rows.offset<kBlockM>(p, seq.row_q, bidb, bidh) + m0) * D::value);
+    CUTE_UNROLL
+    for (int j = 0; j < size(acc) / 4; ++j) {
+        const float4 v = src[j * Traits::kConsumerThreads + threadIdx.x];
+        acc(4 * j) = v.x * p.softmax_scale;
+        acc(4 * j + 1) = v.y * p.softmax_scale;
+        acc(4 * j + 2) = v.z * p.softmax_scale;
+        acc(4 * j + 3) = v.w * p.softmax_scale;
+    }
+    Tensor r = convert_fragment<T>(acc);
+    T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, m0, bidh);
+    const int rows_left = seq.seqlen_q - m0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(r); i += 2) {
+        const int row = get<0>(coord(i));
+        const int col = get<1>(coord(i));
+        if (row < rows_left && col < p.headdim) {
+            *reinterpret_cast<uint32_t*>(dq + index_t(row) * p.dq_stride.row + col) =
+                *reinterpret_cast<uint32_t const*>(&r(i));
+        }
+    }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs<Traits> a) {
@@ -86,12 +132,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     if (is_producer) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-        if (threadIdx.x / 32 != 0 || !g.has_queries()) return;  // one warp issues every load
-        auto q_state = cutlass::make_producer_start_state<QPipe>();
-        auto do_state = cutlass::make_producer_start_state<DoPipe>();
-        Mainloop::load(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g);
-        q_pipe.producer_tail(q_state);
-        do_pipe.producer_tail(do_state);
+        if (!g.has_queries()) return;
+        const int warp = __shfl_sync(0xffffffff, int(threadIdx.x) / 32, 0);
+        if (warp == int(BwdProducerWarp::kLoad)) {
+            auto q_state = cutlass::make_producer_start_state<QPipe>();
+            auto do_state = cutlass::make_producer_start_state<DoPipe>();
+            Mainloop::load(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g);
+            q_pipe.producer_tail(q_state);
+            do_pipe.producer_tail(do_state);
+        } else if (warp == int(BwdProducerWarp::kDqReduce)) {
+            Mainloop::reduce_dq(a, ss, seq, bidb, bidh, g);
+        }
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
         typename Traits::MmaKV mma_kv;
@@ -126,12 +177,15 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     Sm90BwdRows rows;
     rows.head_stride = Sm90BwdRows::rows_per_head<kBlockM>(p);
     const int64_t entries = rows.head_stride * p.nheads * (varlen ? 1 : p.batch);
-    float* ws = static_cast<float*>(
-        p.workspace.allocate(p.workspace.context, 2 * entries * int64_t(sizeof(float))));
-    rows.lse_log2 = ws;
-    rows.dsum = ws + entries;
-    // Varlen buffers have rows outside every sequence; the bulk copies of a tile may read them.
-    if (varlen) cudaMemsetAsync(ws, 0, 2 * entries * sizeof(float), stream);
+    constexpr int kD = Traits::D::value;
+    float* ws = static_cast<float*>(p.workspace.allocate(
+        p.workspace.context, (2 + kD) * entries * int64_t(sizeof(float))));
+    rows.dq_accum = ws;
+    rows.lse_log2 = ws + kD * entries;
+    rows.dsum = rows.lse_log2 + entries;
+    // The accumulator starts at zero; varlen row buffers have rows outside every sequence,
+    // which the bulk copies of a tile may read.
+    cudaMemsetAsync(ws, 0, (varlen ? 2 + kD : kD) * entries * sizeof(float), stream);
     const int padded_q = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
     const unsigned row_grid =
         unsigned((padded_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads;
@@ -178,9 +232,8 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     const dim3 grid(unsigned(n_blocks) * p.nheads * p.batch);
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
 
-    const dim3 dq_grid(unsigned((p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch *
-                       p.nheads);
-    flash_bwd_dq_write_kernel<T, Traits::D::value><<<dq_grid, 256, 0, stream>>>(p);
+    const dim3 dq_grid(unsigned((p.seqlen_q + kBlockM - 1) / kBlockM) * p.batch * p.nheads);
+    flash_bwd_dq_sm90_kernel<Traits><<<dq_grid, Traits::kConsumerThreads, 0, stream>>>(p, rows);
 }
 
 template <class T, int kHeadDim>

@@ -3,7 +3,8 @@
 //   with its log2 LSE and dO with its rowsum(dO * O), each into its own pipeline of stages.
 //   Consumers (a warp group per 64 key rows): S^T = K Q^T and dP^T = V dO^T, the score policy
 //   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q from registers, and
-//   dQ = dS K through shared memory into the fp32 accumulator with atomics.
+//   dQ = dS K with dS from shared memory; each tile's dQ goes back to shared memory.
+//   dQ warp: adds each tile's dQ to the fp32 accumulator with one bulk reduction.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -129,8 +130,8 @@ struct Sm90BwdMainloop {
     // ---------------------------------------------------------------- consumer ----
 
     // Runs the tile's query loop for this consumer warp group: acc_dk, acc_dv get the group's 64
-    // key rows of dK (not yet scaled by softmax_scale) and dV; dQ's partial sums go to the
-    // accumulator in global memory.
+    // key rows of dK (not yet scaled by softmax_scale) and dV; each query tile's dQ goes to the
+    // shared buffer that the dQ warp reduces into the accumulator.
     template <class AccKV>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::QPipe& q_pipe,
@@ -172,8 +173,7 @@ struct Sm90BwdMainloop {
         // This thread's (key, query) coordinates of the S^T tile, as a (rows, cols) view.
         Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
         Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
-        Tensor cDq = thr_dq.partition_C(make_identity_tensor(Shape<BM, D>{}));
-        float* dq_accum = p.dq_accum + seq.lse_offset(p, bidb, bidh) * kHeadDimTier;
+        static_assert(decltype(size(partition_fragment_C(mma_dq, Shape<BM, D>{})))::value % 4 == 0);
 
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
@@ -261,12 +261,17 @@ struct Sm90BwdMainloop {
             ++q_state;
             ++do_state;
 
-            const int rows_left = seq.seqlen_q - m0;
-            Tensor gDq = make_tensor(make_gmem_ptr(dq_accum + index_t(m0) * kHeadDimTier),
-                                     Shape<BM, D>{}, Stride<D, _1>{});
-            Tensor tDqg = thr_dq.partition_C(gDq);
-            atomic_add_fragment(acc_dq, tDqg, cDq, rows_left, kHeadDimTier,
-                                rows_left >= kBlockM);
+            // dQ to shared memory in fragment order, for the dQ warp's bulk reduction.
+            barrier_sync(BwdBarrier::kDqEmpty, kDqSyncThreads);
+            float4* dq = reinterpret_cast<float4*>(ss.dq);
+            CUTE_UNROLL
+            for (int j = 0; j < size(acc_dq) / 4; ++j) {
+                dq[j * Traits::kConsumerThreads + ctid] =
+                    make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
+                                acc_dq(4 * j + 3));
+            }
+            cutlass::arch::fence_view_async_shared();
+            barrier_arrive(BwdBarrier::kDqFull, kDqSyncThreads);
         };
 
         ss.kv_full.wait(0);
@@ -277,7 +282,31 @@ struct Sm90BwdMainloop {
         }
     }
 
-    static constexpr int kHeadDimTier = D::value;
+    // The consumers and the dQ warp meet at the dQ buffer's barriers.
+    static constexpr int kDqSyncThreads = Traits::kConsumerThreads + 32;
+    static constexpr uint32_t kDqTileBytes = kBlockM * D::value * sizeof(float);
+
+    // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
+    // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
+    // engine has read it.
+    static __device__ void reduce_dq(Args const& a, SharedStorage& ss, SeqInfo const& seq,
+                                     int bidb, int bidh, Sm90BwdGeometry const& g) {
+        const bool issuer = threadIdx.x % 32 == 0;
+        const int64_t rows0 = a.rows.template offset<kBlockM>(a.p, seq.row_q, bidb, bidh);
+        barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);  // the buffer starts free
+        for (int m = g.m_first; m < g.m_last; ++m) {
+            barrier_sync(BwdBarrier::kDqFull, kDqSyncThreads);
+            if (issuer) {
+                bulk_reduce_add(a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value,
+                                ss.dq, kDqTileBytes);
+                tma_store_arrive();
+                bulk_wait_read<0>();
+            }
+            __syncwarp();
+            if (m + 1 < g.m_last) barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);
+        }
+        if (issuer) bulk_wait_done();
+    }
 };
 
 }  // namespace flash

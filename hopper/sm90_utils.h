@@ -61,6 +61,25 @@ __forceinline__ __device__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
+// gmem[0, bytes) += smem[0, bytes) in fp32, one bulk reduction issued by the calling thread (the
+// copy engine reads shared memory and adds in L2). Grouped and waited for like TMA stores:
+// cute::tma_store_arrive() commits, bulk_wait_read<N>() waits until at most N groups may still
+// read shared memory, bulk_wait_done() until every group's writes are done.
+__forceinline__ __device__ void bulk_reduce_add(float* gmem, float const* smem, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+                 : "memory");
+}
+
+template <int N>
+__forceinline__ __device__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+__forceinline__ __device__ void bulk_wait_done() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 // barrier_sync that also returns whether `pred` held for any of the threads.
 __forceinline__ __device__ bool barrier_sync_or(NamedBarrier id, int threads, bool pred) {
     uint32_t any;

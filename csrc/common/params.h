@@ -108,7 +108,7 @@ struct BwdParams : AttnShape {
     void* dq = nullptr;
     void* dk = nullptr;  // (.., nheads, d): one slot per query head; the binding sums GQA groups
     void* dv = nullptr;
-    float* dq_accum = nullptr;   // lse's shape + (headdim_tier,), fp32, zeroed by the binding
+    float* dq_accum = nullptr;   // SM80: lse's shape + (headdim_tier,), fp32, zeroed by the binding
     float* softmax_d = nullptr;  // rowsum(dO * O), same layout as lse (SM80)
     TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride,
         dv_stride;
