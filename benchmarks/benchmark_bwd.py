@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Backward benchmark: ours (the default path, and the SM80 kernels with FLASH_ATTN_FORCE_SM80=1),
+"""Backward benchmark: ours (the default path, with deterministic=True, and the SM80 kernels with
+FLASH_ATTN_FORCE_SM80=1),
 FlashAttention-3 (a library built by ../shared/peers/build_fa3.sh, loaded into this process),
 and PyTorch SDPA's cuDNN and FlashAttention-2 backends, on the same tensors.
 
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--fa3", metavar="PATH", help="FlashAttention-3's extension library")
     p.add_argument("--no-sm80", action="store_true", help="skip our SM80 kernels")
+    p.add_argument("--no-deterministic", action="store_true",
+                   help="skip our deterministic=True backward")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA backends")
     p.add_argument("--markdown", metavar="PATH", help="also write the table here")
     return p.parse_args(argv)
@@ -72,9 +75,9 @@ def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[flo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     row: Dict[str, Optional[float]] = {}
 
-    def ours():
+    def ours(deterministic: bool = False):
         _C.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, s, s, scale, causal, -1, right,
-               0.0, False, None)
+               0.0, deterministic, None)
 
     def timed(name: str, fn: Callable[[], None]) -> None:
         try:
@@ -85,6 +88,8 @@ def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[flo
             row[name] = None
 
     timed("ours", ours)
+    if not args.no_deterministic:
+        timed("ours-det", lambda: ours(True))
     if not args.no_sm80:
         os.environ["FLASH_ATTN_FORCE_SM80"] = "1"
         timed("ours-sm80", ours)
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     if args.fa3:
         torch.ops.load_library(args.fa3)
         fa3 = torch.ops.flash_attn_3
-    names = ["ours"] + ([] if args.no_sm80 else ["ours-sm80"]) + (["fa3"] if fa3 else [])
+    names = ["ours"] + ([] if args.no_deterministic else ["ours-det"])
+    names += ([] if args.no_sm80 else ["ours-sm80"]) + (["fa3"] if fa3 else [])
     names += [] if args.no_sdpa else ["cudnn", "sdpa-flash"]
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     lines = [f"Backward TFLOP/s, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}",

@@ -450,11 +450,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
                             bool deterministic, std::optional<at::Tensor> alibi_slopes) {
-    if (deterministic) {
-        raise_not_implemented(
-            "flash_attn: deterministic=True backward is not implemented (dq is accumulated with "
-            "atomics); pass deterministic=False");
-    }
     const Problem pb =
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);
@@ -473,6 +468,13 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
     const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim);
+    if (deterministic && entry.arch != 90) {
+        raise_not_implemented(
+            "flash_attn: deterministic=True backward is implemented by the SM90 kernels only "
+            "(head dims <= 64 and 128 on compute capability 9.0); the SM80 backward accumulates "
+            "dq with atomics, so results can differ in the last bits between runs; pass "
+            "deterministic=False");
+    }
     check_grid(pb);
 
     // Rows outside every varlen sequence get no kernel writes: start them at zero.
@@ -541,6 +543,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     p.dq_stride = strides_of(dq, pb.varlen);
     p.dk_stride = strides_of(dk_x, pb.varlen);
     p.dv_stride = strides_of(dv_x, pb.varlen);
+    p.deterministic = deterministic;
     Workspace workspace{q.options(), {}};
     p.workspace = {&allocate_workspace, &workspace};
     entry.bwd(p, at::cuda::getCurrentCUDAStream());

@@ -7,7 +7,8 @@ given and what is expected:
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
 * ``NotImplementedError``: a valid combination this package does not implement (dropout, a
-  left-padded paged KV cache, a forced split count, deterministic CUDA backward).
+  left-padded paged KV cache, a forced split count; the binding adds a deterministic backward
+  on the SM80 kernels).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -293,7 +294,6 @@ def _check_options(
     softcap,
     deterministic,
     return_attn_probs,
-    needs_grad: bool,
 ):
     """Returns (softmax_scale, causal, window_left, window_right, softcap), normalized."""
     if not _is_real(dropout_p):
@@ -350,26 +350,11 @@ def _check_options(
 
     if type(deterministic) is not bool:
         raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
-    if deterministic and device_type == "cuda" and needs_grad:
-        raise NotImplementedError(
-            f"{fn}: deterministic=True is not implemented for the CUDA backward (it accumulates "
-            f"dq with atomic adds, so results can differ in the last bits between runs); pass "
-            f"deterministic=False, or run the forward without gradients (torch.no_grad())"
-        )
 
     if type(return_attn_probs) is not bool:
         raise TypeError(f"{fn}: return_attn_probs must be a bool, got {return_attn_probs!r}")
 
     return scale, causal, left, right, cap
-
-
-def _needs_grad(tensors: Tuple[Tensor, ...]) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t.requires_grad:
-            return True
-    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,7 +474,6 @@ def validate_qkv(
     deterministic=False,
     return_attn_probs=False,
     names: Sequence[str] = ("q", "k", "v"),
-    grad_tensors: Optional[Tuple[Tensor, ...]] = None,
 ) -> AttnArgs:
     """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d)."""
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
@@ -497,7 +481,6 @@ def validate_qkv(
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
-        _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
     return AttnArgs(
         varlen=False, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
@@ -526,7 +509,7 @@ def validate_qkvpacked(fn: str, qkv, **options) -> AttnArgs:
     """qkv (batch, seqlen, 3, nheads, headdim)."""
     _check_packed(fn, "qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", 2, 3)
     return validate_qkv(
-        fn, *qkv.unbind(2), names=("qkv", "qkv", "qkv"), grad_tensors=(qkv,), **options,
+        fn, *qkv.unbind(2), names=("qkv", "qkv", "qkv"), **options,
     )
 
 
@@ -535,7 +518,7 @@ def validate_kvpacked(fn: str, q, kv, **options) -> AttnArgs:
     _check_tensor(fn, "q", q)
     _check_packed(fn, "kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", 2, 2)
     return validate_qkv(
-        fn, q, *kv.unbind(2), names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
+        fn, q, *kv.unbind(2), names=("q", "kv", "kv"), **options,
     )
 
 
@@ -560,7 +543,6 @@ def validate_varlen_qkv(
     names: Sequence[str] = ("q", "k", "v"),
     cu_names: Sequence[str] = ("cu_seqlens_q", "cu_seqlens_k"),
     max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
-    grad_tensors: Optional[Tuple[Tensor, ...]] = None,
 ) -> AttnArgs:
     """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,);
     with block_table (b, max_num_blocks_per_seq), k/v (num_blocks, page_block_size, hk, d)."""
@@ -589,7 +571,6 @@ def validate_varlen_qkv(
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
-        _needs_grad(grad_tensors if grad_tensors is not None else (q, k, v)),
     )
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
@@ -630,7 +611,7 @@ def validate_varlen_qkvpacked(fn: str, qkv, cu_seqlens, max_seqlen, **options) -
     return validate_varlen_qkv(
         fn, *qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         names=("qkv", "qkv", "qkv"), cu_names=("cu_seqlens", "cu_seqlens"),
-        max_names=("max_seqlen", "max_seqlen"), grad_tensors=(qkv,), **options,
+        max_names=("max_seqlen", "max_seqlen"), **options,
     )
 
 
@@ -642,7 +623,7 @@ def validate_varlen_kvpacked(
     _check_packed(fn, "kv", kv, 4, "(total_k, 2, nheads_k, headdim)", 1, 2)
     return validate_varlen_qkv(
         fn, q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        names=("q", "kv", "kv"), grad_tensors=(q, kv), **options,
+        names=("q", "kv", "kv"), **options,
     )
 
 
@@ -853,7 +834,7 @@ def validate_kvcache(
         raise TypeError(f"{fn}: return_softmax_lse must be a bool, got {return_softmax_lse!r}")
     scale, causal, left, right, cap = _check_options(
         fn, device_type, headdim, 0.0, softmax_scale, causal, window_size, softcap,
-        False, False, False,
+        False, False,
     )
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():

@@ -15,8 +15,8 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0`` raises ``NotImplementedError``, as does
-  ``deterministic=True`` when a CUDA backward will be needed.
+* ``dropout_p > 0`` raises ``NotImplementedError``, as does ``deterministic=True`` in a CUDA
+  backward that runs the SM80 kernels.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
             implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
         deterministic: bool. Whether to use the deterministic implementation of the backward
-            pass. The CUDA backward is not deterministic (dq is accumulated with atomic adds),
-            so True raises NotImplementedError when gradients are needed on CUDA. The CPU
-            reference is always deterministic.
+            pass: dq's partial sums are added in a fixed order, so repeated runs give bitwise
+            equal gradients. On CUDA the SM90 backward implements it (compute capability 9.0,
+            head dims <= 64 and 128); where the SM80 backward runs, True raises
+            NotImplementedError in the backward. The CPU reference is always deterministic.
         return_attn_probs: bool. Whether to return the attention probabilities. This option
             is for testing only: the probabilities are recomputed in PyTorch (see below)."""
 

@@ -304,11 +304,6 @@ def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
               deterministic, alibi_slopes=None):
-    if deterministic:
-        raise NotImplementedError(
-            "flash_attn: deterministic=True is not implemented for the CUDA backward (dq is "
-            "accumulated with atomic adds); pass deterministic=False"
-        )
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)

@@ -178,14 +178,17 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     rows.head_stride = Sm90BwdRows::rows_per_head<kBlockM>(p);
     const int64_t entries = rows.head_stride * p.nheads * (varlen ? 1 : p.batch);
     constexpr int kD = Traits::D::value;
+    const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    const int64_t turns = p.deterministic ? int64_t(m_blocks) * p.nheads * p.batch : 0;
     float* ws = static_cast<float*>(p.workspace.allocate(
-        p.workspace.context, (2 + kD) * entries * int64_t(sizeof(float))));
-    rows.dq_accum = ws;
-    rows.lse_log2 = ws + kD * entries;
+        p.workspace.context, ((2 + kD) * entries + turns) * int64_t(sizeof(float))));
+    int* dq_turns = p.deterministic ? reinterpret_cast<int*>(ws) : nullptr;
+    rows.dq_accum = ws + turns;
+    rows.lse_log2 = rows.dq_accum + kD * entries;
     rows.dsum = rows.lse_log2 + entries;
-    // The accumulator starts at zero; varlen row buffers have rows outside every sequence,
-    // which the bulk copies of a tile may read.
-    cudaMemsetAsync(ws, 0, (varlen ? 2 + kD : kD) * entries * sizeof(float), stream);
+    // The turn counters and the accumulator start at zero; varlen row buffers have rows
+    // outside every sequence, which the bulk copies of a tile may read.
+    cudaMemsetAsync(ws, 0, ((varlen ? 2 + kD : kD) * entries + turns) * sizeof(float), stream);
     const int padded_q = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
     const unsigned row_grid =
         unsigned((padded_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads;
@@ -215,6 +218,8 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
                                    tma_k(p.k, p.k_stride),
                                    tma_k(p.v, p.v_stride),
                                    rows,
+                                   dq_turns,
+                                   m_blocks,
                                    rows_q,
                                    rows_k,
                                    batch};

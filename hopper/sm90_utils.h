@@ -80,6 +80,17 @@ __forceinline__ __device__ void bulk_wait_done() {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// A flag between CTAs: load with acquire, store with release (gpu scope).
+__forceinline__ __device__ int ld_acquire_gpu(int const* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__forceinline__ __device__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // barrier_sync that also returns whether `pred` held for any of the threads.
 __forceinline__ __device__ bool barrier_sync_or(NamedBarrier id, int threads, bool pred) {
     uint32_t any;

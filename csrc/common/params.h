@@ -113,6 +113,8 @@ struct BwdParams : AttnShape {
     TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride,
         dv_stride;
     WorkspaceAllocator workspace;  // SM90: the padded per-row LSE and rowsum buffers
+    // dQ's partial sums added in a fixed order, so that repeated runs are bitwise equal (SM90).
+    bool deterministic = false;
 };
 
 }  // namespace flash
