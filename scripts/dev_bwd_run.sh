@@ -9,7 +9,7 @@ if [ "${FA3:-1}" = 1 ]; then
   (MAX_JOBS=12 bash .peers/build_fa3.sh "$PWD/build/peers" > "$OUT/fa3.log" 2>&1) &
 fi
 # transformers finds the package by its distribution metadata: install that (no build).
-FLASH_ATTN_SKIP_CUDA_BUILD=1 pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+FLASH_ATTN_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
 FLASH_ATTN_TEST_PATHS=${PATHS:-sm90} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest ${TESTS:-tests/test_flash_attn_gpu.py tests/test_varlen_gpu.py} -q --maxfail=20 -rf -k "${TEST_K:-fwd_bwd or gqa or alibi or bwd}" > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -30
 wait
