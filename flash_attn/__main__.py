@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from flash_attn.build_info import build_info
 
@@ -56,7 +56,42 @@ def format_build_info(info: Dict[str, Any]) -> str:
     kinds = sorted({k[1] for k in table})
     if "bwd" not in kinds:
         lines.append("  (no backward kernels: built with FLASH_ATTN_DISABLE_BACKWARD=1?)")
+    lines.append("features by code path (compute capability 9.0 | 8.x; "
+                 "FLASH_ATTN_FORCE_SM80=1 puts 9.0 on the 8.x column):")
+    width = max(len(f) for f, _, _ in feature_paths(kernels))
+    for feature, sm90, sm80 in feature_paths(kernels):
+        lines.append(f"  {feature:<{width}}  {sm90} | {sm80}")
     return "\n".join(lines)
+
+
+def _tiers(kernels: List[Dict[str, Any]], arch: int, kind: str) -> List[int]:
+    return sorted({k.get("headdim") for k in kernels
+                   if k.get("arch") == arch and k.get("kind") == kind})
+
+
+def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
+    """(feature, what runs it on compute capability 9.0, what runs it on 8.x): the binding's
+    dispatch rules (csrc/flash_api.cpp, ``code_path`` and the forward's ``sm90_ok``) applied to
+    the kernels this build registered."""
+    fwd90 = _tiers(kernels, 90, "fwd")
+    bwd90 = _tiers(kernels, 90, "bwd")
+
+    def sm90(tiers: List[int], what: str) -> str:
+        if not tiers:
+            return "SM80 (no SM90 kernels built)"
+        return f"SM90 for head-dim tiers {', '.join(map(str, tiers))}, else SM80" + what
+
+    unsupported = "NotImplementedError"
+    return [
+        ("forward", sm90(fwd90, ""), "SM80"),
+        ("forward with alibi_slopes", "SM80 (the SM90 forward takes no bias)", "SM80"),
+        ("paged KV (block_table)",
+         "SM90 where a page holds whole key blocks, else SM80", "SM80"),
+        ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),
+        ("deterministic=True backward",
+         sm90(bwd90, "'s " + unsupported) if bwd90 else unsupported, unsupported),
+        ("dropout_p > 0", unsupported, unsupported),
+    ]
 
 
 def main() -> int:

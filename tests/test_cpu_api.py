@@ -651,3 +651,21 @@ def test_require_kernel_names_the_build_flags(monkeypatch):
     cc["value"] = (8, 0)
     with pytest.raises(NotImplementedError):
         ops.require_kernel("fwd", torch.float16, 128, dev)
+
+
+def test_main_lists_features_by_code_path():
+    """`python -m flash_attn` says which path runs each feature, from the registered kernels."""
+    from flash_attn.__main__ import format_build_info
+
+    kernels = [{"kind": k, "arch": a, "dtype": "bf16", "headdim": d}
+               for k, a, dims in (("fwd", 90, (64, 128, 256)), ("bwd", 90, (64, 128)),
+                                  ("fwd", 80, (64, 128, 256)), ("bwd", 80, (64, 128, 256)))
+               for d in dims]
+    text = format_build_info({"available": True, "flash_attn": "v", "torch": "t",
+                              "archs": [80, 90], "kernels": kernels})
+    lines = {line.split("  ")[1].strip(): line for line in text.splitlines()
+             if line.startswith("  ") and "  " in line.strip()}
+    assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["backward (alibi_slopes too)"]
+    assert "NotImplementedError" in lines["deterministic=True backward"]
+    assert "SM80 (the SM90 forward takes no bias)" in lines["forward with alibi_slopes"]
+    assert lines["dropout_p > 0"].count("NotImplementedError") == 2
