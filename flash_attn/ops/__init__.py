@@ -42,7 +42,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import reference
+from .. import reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension"]
 
@@ -54,7 +54,7 @@ def load_extension():
     global _EXT
     if _EXT is None:
         try:
-            from . import _C  # noqa: F401  (the compiled extension)
+            from .. import _C  # noqa: F401  (the compiled extension)
         except Exception as e:  # ImportError, OSError (missing libs), undefined symbols ...
             raise RuntimeError(
                 "flash_attn: the CUDA extension flash_attn._C is not available ("
@@ -67,7 +67,7 @@ def load_extension():
     return _EXT
 
 
-# Head-dim tiers the kernels are compiled for (csrc/src/tile_config.h, kHeadDimTiers).
+# Head-dim tiers the kernels are compiled for (csrc/common/tiers.h, kHeadDimTiers).
 _HEADDIM_TIERS = (32, 64, 96, 128, 160, 192, 224, 256)
 _BUILT_KERNELS = None
 # Compute capability per CUDA device index; it cannot change while the process runs.
