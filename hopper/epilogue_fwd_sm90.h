@@ -23,6 +23,7 @@
 #include "common/seq_info.h"
 #include "sm90_utils.h"
 #include "tile_scheduler.h"
+#include "tma_views.h"
 
 namespace flash {
 
@@ -211,9 +212,8 @@ struct Sm90FwdEpilogue {
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, then the TMA reads
         barrier_sync(epilogue_barrier(group), 128);
         if (ctid % 128 == 0) {
-            using Mainloop = Sm90FwdMainloop<Traits>;
-            Tensor gO = local_tile(Mainloop::head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
-                                                       a.batch_q, bidh, bidb, g.row0 + 64 * group),
+            Tensor gO = local_tile(tma_head_view(a.tma_o, a.rows_q, p.headdim, p.nheads,
+                                                 a.batch_q, bidh, bidb, g.row0 + 64 * group),
                                    Shape<_64, D>{}, make_coord(_0{}, _0{}));
             auto to = tma_partition(a.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                     group_modes<0, 2>(gO));

@@ -24,6 +24,7 @@
 #include "epilogue_bwd_sm90.h"
 #include "mainloop_bwd_sm90.h"
 #include "sm90_utils.h"
+#include "tma_views.h"
 
 namespace flash {
 
@@ -159,12 +160,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 }
 
-// TMA needs every stride to be a multiple of 16 bytes; a mode of extent 1 is never stepped, so
-// any such stride serves for it.
-inline int64_t bwd_tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
-    return extent <= 1 ? headdim : stride;
-}
-
 template <class Traits>
 void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     using T = typename Traits::Element;
@@ -195,11 +190,7 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     flash_bwd_rows_sm90_kernel<T, kBlockM><<<row_grid, 256, 0, stream>>>(p, rows);
 
     auto gmem = [&](const void* ptr, int rows_, int heads, TensorStrides const& s) {
-        return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                           make_shape(rows_, p.headdim, heads, batch),
-                           make_stride(bwd_tma_stride(s.row, rows_, p.headdim), _1{},
-                                       bwd_tma_stride(s.head, heads, p.headdim),
-                                       bwd_tma_stride(s.batch, batch, p.headdim)));
+        return tma_gmem<T>(ptr, rows_, p.headdim, heads, batch, s);
     };
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;

@@ -21,6 +21,7 @@
 #include "common/seq_info.h"
 #include "sm90_utils.h"
 #include "tile_scheduler.h"
+#include "tma_views.h"
 
 namespace flash {
 
@@ -163,12 +164,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 }
 
-// TMA needs every stride to be a multiple of 16 bytes; a mode of extent 1 is never stepped, so
-// any such stride serves for it.
-inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t headdim) {
-    return extent <= 1 ? headdim : stride;
-}
-
 // Most heads per section of the dynamic schedule: as many as keep their K and V within about half
 // of an H100's 50 MiB L2 (query heads of one GQA group share theirs). `heads`: the heads the
 // schedule walks (KV heads when GQA is packed).
@@ -271,11 +266,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const int batch = varlen ? 1 : p.batch;
     const int batch_k = paged ? p.num_pages : varlen ? 1 : p.batch_k;
     auto gmem = [&](const void* ptr, int rows, int heads, int entries, TensorStrides const& s) {
-        return make_tensor(make_gmem_ptr(static_cast<T const*>(ptr)),
-                           make_shape(rows, p.headdim, heads, entries),
-                           make_stride(tma_stride(s.row, rows, p.headdim), _1{},
-                                       tma_stride(s.head, heads, p.headdim),
-                                       tma_stride(s.batch, entries, p.headdim)));
+        return tma_gmem<T>(ptr, rows, p.headdim, heads, entries, s);
     };
     using BM = typename Traits::BM;
     using BN = typename Traits::BN;

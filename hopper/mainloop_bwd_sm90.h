@@ -17,6 +17,7 @@
 #include "common/score.h"
 #include "common/seq_info.h"
 #include "sm90_utils.h"
+#include "tma_views.h"
 
 namespace flash {
 
@@ -50,15 +51,6 @@ struct Sm90BwdMainloop {
         return g;
     }
 
-    // The tile's view of a TMA tensor: (rows, d) of this head and sequence.
-    template <class Tma>
-    static __device__ auto head_view(Tma const& tma, int rows, int headdim, int heads, int batch,
-                                     int head, int bidb, index_t row_offset) {
-        Tensor m = tma.get_tma_tensor(make_shape(rows, headdim, heads, batch));
-        return domain_offset(make_coord(int(row_offset), _0{}),
-                             m(_, _, head, batch == 1 ? 0 : bidb));
-    }
-
     // ---------------------------------------------------------------- producer ----
 
     // Run by one whole warp; lane 0 issues the copies.
@@ -77,18 +69,18 @@ struct Sm90BwdMainloop {
         Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
 
         const index_t row_k = varlen ? seq.row_k : 0;
-        Tensor gK = local_tile(head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch,
+        Tensor gK = local_tile(tma_head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch,
                                          bidh_k, bidb, row_k),
                                Shape<BN, D>{}, make_coord(g.n0 / kBlockN, _0{}));
-        Tensor gV = local_tile(head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch,
+        Tensor gV = local_tile(tma_head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch,
                                          bidh_k, bidb, row_k),
                                Shape<BN, D>{}, make_coord(g.n0 / kBlockN, _0{}));
         const index_t row_q = varlen ? seq.row_q : 0;
         Tensor gQ = local_tile(
-            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
+            tma_head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
             Shape<BM, D>{}, make_coord(_, _0{}));
         Tensor gdO = local_tile(
-            head_view(a.tma_do, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
+            tma_head_view(a.tma_do, a.rows_q, p.headdim, p.nheads, a.batch, bidh, bidb, row_q),
             Shape<BM, D>{}, make_coord(_, _0{}));
 
         if (issuer) {

@@ -18,6 +18,7 @@
 #include "common/score.h"
 #include "common/softmax.h"
 #include "sm90_utils.h"
+#include "tma_views.h"
 
 namespace flash {
 
@@ -79,14 +80,6 @@ struct Sm90FwdMainloop {
         return g;
     }
 
-    // The tile's view of a TMA tensor: (rows, d) of this head and sequence.
-    template <class Tma>
-    static __device__ auto head_view(Tma const& tma, int rows, int headdim, int heads, int batch,
-                                     int head, int bidb, index_t row_offset) {
-        Tensor m = tma.get_tma_tensor(make_shape(rows, headdim, heads, batch));
-        return domain_offset(make_coord(int(row_offset), _0{}), m(_, _, head, batch == 1 ? 0 : bidb));
-    }
-
     // The Q buffer of the pipeline's stage (the stage index is known 0 with one buffer: fewer
     // registers in the key loops).
     static __device__ auto query_buffer(SharedStorage& ss, typename Traits::QState const& q) {
@@ -120,14 +113,14 @@ struct Sm90FwdMainloop {
         // tensor's first, and a varlen tile reads the previous sequence's (never stored).
         const index_t q_shift = g.row0 - m_block * kBlockM;
         Tensor gQ = local_tile(
-            head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb,
+            tma_head_view(a.tma_q, a.rows_q, p.headdim, p.nheads, a.batch_q, bidh, bidb,
                       (varlen ? seq.row_q : 0) + q_shift),
             Shape<BM, D>{}, make_coord(m_block, _0{}));
         const index_t row_k = (varlen ? seq.row_k : 0) + seq.k_first;
-        Tensor gK = local_tile(head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
+        Tensor gK = local_tile(tma_head_view(a.tma_k, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
                                          bidh_k, seq.bidb_k, row_k),
                                Shape<BN, D>{}, make_coord(_, _0{}));
-        Tensor gV = local_tile(head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
+        Tensor gV = local_tile(tma_head_view(a.tma_v, a.rows_k, p.headdim, p.nheads_k, a.batch_k,
                                          bidh_k, seq.bidb_k, row_k),
                                Shape<BN, D>{}, make_coord(_, _0{}));
 
@@ -170,7 +163,7 @@ struct Sm90FwdMainloop {
         // block n lies in one page (page_size % kBlockN == 0, the launcher's rule).
         const bool paged = Traits::kBand && seq.pages != nullptr;
         auto page_blocks = [&](auto const& tma, int n) {
-            return local_tile(head_view(tma, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k,
+            return local_tile(tma_head_view(tma, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k,
                                         seq.page(p, n * kBlockN), 0),
                               Shape<BN, D>{}, make_coord(_, _0{}));
         };
