@@ -6,6 +6,12 @@ reference on CPU. ``python -m flash_attn`` shows what was built."""
 # the right code path; the fourth counts our releases at that API level (README, "Versions").
 __version__ = "2.8.3.1"
 
+# Importing one of FlashAttention-2's modules this package lacks (flash_attn.ops.rms_norm, ...)
+# raises a ModuleNotFoundError that says so and lists what is provided instead.
+from . import _missing_modules  # noqa: E402
+
+_missing_modules.install()
+
 from .build_info import build_info  # noqa: E402  (replaces the submodule attribute)
 from .flash_attn_interface import (  # noqa: E402
     flash_attn_func,

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input"]
+__all__ = [
+    "index_first_axis",
+    "index_first_axis_residual",
+    "index_put_first_axis",
+    "unpad_input",
+    "unpad_input_for_concatenated_sequences",
+    "pad_input",
+]
 
 
 class IndexFirstAxis(torch.autograd.Function):
@@ -56,6 +63,39 @@ class IndexPutFirstAxis(torch.autograd.Function):
 index_put_first_axis = IndexPutFirstAxis.apply
 
 
+class IndexFirstAxisResidual(torch.autograd.Function):
+    """``(input[indices], input.detach())``: the gathered rows and the whole input as a
+    residual. The backward adds the gathered rows' gradient into the residual's gradient at
+    their indices (a residual branch that keeps every row while the rest of a layer runs on
+    the selected ones)."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, indices: Tensor):
+        ctx.save_for_backward(indices)
+        ctx.first_axis_dim = input.shape[0]
+        # Indexing rather than a flattening gather: input may be non-contiguous (e.g. channels
+        # last), and a reshape would copy it.
+        output = input[indices]
+        # The residual is detached so that autograd sees a fresh output, not a view of the
+        # input that later in-place ops could invalidate; its gradient comes back through this
+        # Function's backward.
+        return output, input.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor, grad_residual: Tensor):
+        (indices,) = ctx.saved_tensors
+        if grad_residual.shape[1:] != grad_output.shape[1:]:
+            raise ValueError(
+                f"index_first_axis_residual: gradients of shapes {tuple(grad_output.shape)} and "
+                f"{tuple(grad_residual.shape)} differ past the first axis")
+        # Out of place: grad_residual may be shared with other consumers.
+        grad_input = grad_residual.index_add(0, indices, grad_output)
+        return grad_input, None
+
+
+index_first_axis_residual = IndexFirstAxisResidual.apply
+
+
 def unpad_input(hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tensor = None):
     """
     Arguments:
@@ -89,6 +129,47 @@ def unpad_input(hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tens
         max_seqlen_in_batch,
         seqused,
     )
+
+
+def unpad_input_for_concatenated_sequences(hidden_states: Tensor,
+                                           attention_mask_in_length: Tensor):
+    """Unpad a batch whose rows each hold several short samples packed one after the other
+    from the row's start (supervised fine-tuning with packing): each sample becomes its own
+    varlen sequence, so attention does not cross samples.
+
+    attention_mask_in_length row b lists the lengths of row b's samples, in order, then zeros.
+    With batch = 3 and seqlen = 6::
+
+        [[2, 3, 0, 0, 0, 0],    row 0: samples of 2 and 3 tokens, then 1 padding token
+         [3, 2, 0, 0, 0, 0],    row 1: samples of 3 and 2 tokens, then 1 padding token
+         [6, 0, 0, 0, 0, 0]]    row 2: one sample of 6 tokens
+
+    gives the 5 sequences of lengths 2, 3, 3, 2, 6: cu_seqlens = [0, 2, 5, 8, 10, 16].
+
+    Arguments:
+        hidden_states: (batch, seqlen, ...)
+        attention_mask_in_length: (batch, seqlen), int: the lengths of each row's samples
+            (nonzero entries, in order), zeros elsewhere. Row b's samples cover its first
+            sum(attention_mask_in_length[b]) tokens.
+    Return:
+        hidden_states: (total_nnz, ...), the tokens of all samples, total_nnz =
+            attention_mask_in_length.sum().
+        indices: (total_nnz), the indices of those tokens in the flattened (batch * seqlen)
+            input sequence.
+        cu_seqlens: (num_samples + 1), int32, the cumulative sample lengths.
+        max_seqlen_in_batch: int, the longest sample.
+    """
+    seqlen = attention_mask_in_length.shape[-1]
+    row_lengths = attention_mask_in_length.sum(dim=-1)
+    positions = torch.arange(seqlen, device=attention_mask_in_length.device)
+    covered = positions[None, :] < row_lengths[:, None]
+    flat_lengths = attention_mask_in_length.flatten()
+    seqlens = flat_lengths[torch.nonzero(flat_lengths, as_tuple=False).flatten()]
+    indices = torch.nonzero(covered.flatten(), as_tuple=False).flatten()
+    max_seqlen_in_batch = int(seqlens.max().item()) if seqlens.numel() > 0 else 0
+    cu_seqlens = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    flat = hidden_states.reshape(-1, *hidden_states.shape[2:])
+    return index_first_axis(flat, indices), indices, cu_seqlens, max_seqlen_in_batch
 
 
 def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:

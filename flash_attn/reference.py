@@ -43,6 +43,7 @@ __all__ = [
     "unpage",
     "unpage_varlen",
     "paged_key_counts",
+    "rotary_ref",
 ]
 
 
@@ -420,26 +421,56 @@ def attention_probs_ref(
 
 
 # --------------------------------------------------------------------------------------------
-# flash_attn_with_kvcache's cache update
+# Rotary embedding, and flash_attn_with_kvcache's cache update
 # --------------------------------------------------------------------------------------------
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of x (batch, seqlen, nheads, headdim)'s first 2 * cos.shape[1] dims at
-    positions pos (batch, seqlen), computed in float32 (float64 for float64 x)."""
+def rotary_ref(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool,
+               conjugate: bool = False) -> Tensor:
+    """Rotary embedding of the first rotary_dim = 2 * cos.shape[1] dims of x, the one
+    implementation behind flash_attn_with_kvcache's rotary, flash_attn.layers.rotary and
+    flash_attn.ops.triton.rotary.
+
+    Arguments:
+        x: (..., nheads, headdim), headdim >= rotary_dim.
+        cos, sin: (seqlen_ro, rotary_dim / 2).
+        pos: (...), integer, the position of each row of x (x's shape without the last two
+            dims, or broadcastable to it). A position outside [0, seqlen_ro) leaves its row
+            unrotated (cos = 1, sin = 0), as FlashAttention-2's rotary kernel does.
+        interleaved: rotate the pairs (0, 1), (2, 3), ... (GPT-J) instead of (i, i +
+            rotary_dim / 2) (GPT-NeoX).
+        conjugate: rotate by -sin (the inverse rotation, which is also the backward).
+    Return:
+        out: (..., nheads, rotary_dim) in x's dtype, computed in float32 (float64 for float64
+            x). The dims of x past rotary_dim are not part of it.
+    """
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rd = 2 * cos.shape[1]
-    pos = pos.clamp(0, cos.shape[0] - 1)  # a bad cache_seqlens never indexes out of range
-    c = cos.to(cdt)[pos].unsqueeze(2)  # (batch, seqlen, 1, rd / 2)
-    s = sin.to(cdt)[pos].unsqueeze(2)
+    seqlen_ro, half = cos.shape
+    rd = 2 * half
+    inside = (pos >= 0) & (pos < seqlen_ro)
+    idx = pos.clamp(0, max(seqlen_ro - 1, 0))
+    # An empty table still has to be indexable; every position is then outside it.
+    cos_t = cos.to(cdt) if seqlen_ro > 0 else cos.new_ones(1, half, dtype=cdt)
+    sin_t = sin.to(cdt) if seqlen_ro > 0 else sin.new_zeros(1, half, dtype=cdt)
+    c = torch.where(inside[..., None], cos_t[idx], 1.0).unsqueeze(-2)  # (..., 1, rd / 2)
+    s = torch.where(inside[..., None], sin_t[idx], 0.0).unsqueeze(-2)
+    if conjugate:
+        s = -s
     xr = x[..., :rd].to(cdt)
     if interleaved:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]
         rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     else:
-        x0, x1 = xr[..., : rd // 2], xr[..., rd // 2:]
+        x0, x1 = xr[..., :half], xr[..., half:]
         rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+    return rot.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """x (batch, seqlen, nheads, headdim) with its first rotary_dim dims rotated at positions
+    pos (batch, seqlen), clamped to the table as the cache-update kernel clamps them."""
+    rot = rotary_ref(x, cos, sin, pos.clamp(0, cos.shape[0] - 1), interleaved)
+    return torch.cat((rot, x[..., rot.shape[-1]:]), dim=-1)
 
 
 def unpage(x: Tensor, block_table: Tensor) -> Tensor:
