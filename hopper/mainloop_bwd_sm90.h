@@ -278,9 +278,6 @@ struct Sm90BwdMainloop {
     static constexpr int kDqSyncThreads = Traits::kConsumerThreads + 32;
     static constexpr uint32_t kDqTileBytes = kBlockM * D::value * sizeof(float);
 
-    // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
-    // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
-    // engine has read it.
     // deterministic: the first key tile that sees query tile m. The key tiles that see it are
     // those from this one to the last, contiguous, since both ends of a key tile's query range
     // (BandMask::query_block_range) grow with the tile: the first n whose range ends past m.
@@ -299,6 +296,9 @@ struct Sm90BwdMainloop {
         return lo;
     }
 
+    // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
+    // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
+    // engine has read it.
     static __device__ void reduce_dq(Args const& a, SharedStorage& ss, SeqInfo const& seq,
                                      int bidb, int bidh, Sm90BwdGeometry const& g) {
         const bool issuer = threadIdx.x % 32 == 0;
