@@ -8,7 +8,7 @@ given and what is expected:
 * ``ValueError``: a well-typed argument with a bad value or shape.
 * ``NotImplementedError``: a valid combination this package does not implement (dropout, a
   left-padded paged KV cache, a forced split count; the binding adds a deterministic backward
-  on the SM80 kernels).
+  on the SM80 kernels, and the custom ops' CUDA kernels a learnable sink).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -74,6 +74,7 @@ class AttnArgs(NamedTuple):
     device_type: str
     dtype: torch.dtype
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
+    sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
 
 
 def check_inputs_enabled() -> bool:
@@ -455,6 +456,36 @@ def _check_alibi(fn: str, alibi_slopes, q: Tensor, batch: int, nheads: int) -> O
     return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
 
 
+def _check_sink(fn: str, s_aux, learnable_sink, q: Tensor, nheads: int) -> Optional[Tensor]:
+    """The learnable sink, given as s_aux or learnable_sink (two names for one argument):
+    None, or (nheads,) of float32 or q's dtype on q's device. Returns it contiguous in float32,
+    or float64 when it is float64 (with float64 q on CPU: the reference then stays float64,
+    which gradcheck needs). Its values are not checked: -inf means no sink."""
+    if s_aux is not None and learnable_sink is not None:
+        raise ValueError(
+            f"{fn}: s_aux and learnable_sink are two names for the learnable sink; pass one of "
+            f"them, not both"
+        )
+    if s_aux is None and learnable_sink is None:
+        return None
+    name, sink = ("s_aux", s_aux) if s_aux is not None else ("learnable_sink", learnable_sink)
+    _check_tensor(fn, name, sink)
+    if sink.dtype != torch.float32 and sink.dtype != q.dtype:
+        raise TypeError(
+            f"{fn}: {name} must be a float32 tensor (or of q's dtype, {q.dtype}) of shape "
+            f"(nheads,), got {sink.dtype}; convert with {name}.float()"
+        )
+    if sink.dim() != 1 or sink.shape[0] != nheads:
+        raise ValueError(
+            f"{fn}: {name} must have shape (nheads,) = ({nheads},) (one logit per query head), "
+            f"got {tuple(sink.shape)}"
+        )
+    _check_same_device(fn, "q", q, name, sink)
+    if sink.dtype != torch.float32 and sink.dtype != torch.float64:
+        sink = sink.float()  # differentiable: the gradient reaches the tensor given
+    return sink.contiguous()
+
+
 # --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
@@ -473,9 +504,11 @@ def validate_qkv(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
     names: Sequence[str] = ("q", "k", "v"),
 ) -> AttnArgs:
-    """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d)."""
+    """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,)."""
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
                                                                 varlen=False)
     scale, causal, left, right, cap = _check_options(
@@ -488,6 +521,7 @@ def validate_qkv(
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
+        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
     )
 
 
@@ -540,12 +574,15 @@ def validate_varlen_qkv(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    s_aux=None,
+    learnable_sink=None,
     names: Sequence[str] = ("q", "k", "v"),
     cu_names: Sequence[str] = ("cu_seqlens_q", "cu_seqlens_k"),
     max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
 ) -> AttnArgs:
-    """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,);
-    with block_table (b, max_num_blocks_per_seq), k/v (num_blocks, page_block_size, hk, d)."""
+    """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,),
+    the sink (h,); with block_table (b, max_num_blocks_per_seq), k/v (num_blocks,
+    page_block_size, hk, d)."""
     paged = block_table is not None
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
                                                                 varlen=True, paged=paged)
@@ -602,6 +639,7 @@ def validate_varlen_qkv(
         headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
+        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
     )
 
 
@@ -715,11 +753,13 @@ def validate_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    s_aux=None,
+    learnable_sink=None,
 ) -> KVCacheArgs:
     """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b, or paged
     (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v
     (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
-    (seqlen_ro, rotary_dim / 2). Returns the normalized call."""
+    (seqlen_ro, rotary_dim / 2); the sink (h,). Returns the normalized call."""
     splits = _as_int(num_splits)
     if splits is None:
         raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
@@ -875,6 +915,7 @@ def validate_kvcache(
         causal=causal, window_left=left, window_right=right, softcap=cap,
         device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
+        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
     )
     return KVCacheArgs(attn, seqlen_new, cache_seqlens, rotary_dim, bool(rotary_interleaved),
                        return_softmax_lse)

@@ -17,6 +17,10 @@ Notes common to all functions:
   of the original head dim. Gradients flow back through the padding and the slicing.
 * ``dropout_p > 0`` raises ``NotImplementedError``, as does ``deterministic=True`` in a CUDA
   backward that runs the SM80 kernels.
+* A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
+  FlashAttention-2's arguments) is implemented by the CPU reference, forward and backward; the
+  CUDA kernels do not implement it yet, and a CUDA call with one raises
+  ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _forward(
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-        kv_batch_idx, block_table, leftpad_k, a.alibi_slopes,
+        kv_batch_idx, block_table, leftpad_k, a.alibi_slopes, a.sink,
     )
     return (out[..., :hd] if pad else out), lse
 
@@ -105,10 +109,11 @@ _RETURN_DOC = """
         out: {out_shape}.
         softmax_lse [optional, if return_attn_probs=True]: {lse_shape}, float32. The
             logsumexp of each row of the matrix QK^T * scaling (e.g., log of the softmax
-            normalization factor); +inf for rows that attend to no key.
+            normalization factor), the sink's logit included when there is one; +inf for rows
+            that attend to no key (with a sink: the sink's logit).
         S_dmask [optional, if return_attn_probs=True]: {probs_shape}. The attention
             probabilities softmax(QK^T * scaling + ALiBi bias) with the masks applied (0 where
-            masked),
+            masked; a learnable sink's column left out),
             materialized in PyTorch from q, k and softmax_lse, in float32 (float64 for float64
             inputs), without gradients. This is for testing only: it costs O(seqlen_q *
             seqlen_k) memory and is not what the kernel computes internally.
@@ -139,6 +144,19 @@ _SCORE_ARGS_DOC = """
             query i and key j (after the softcap). On the Hopper path the forward then runs
             the SM80 kernels (the Hopper kernels take no bias)."""
 
+_SINK_ARGS_DOC = """
+        s_aux [optional]: (nheads,), float32 or q's dtype (converted to float32). A learnable
+            attention sink, as in gpt-oss: for query head h, the logit s_aux[h] joins the
+            softmax denominator of every row without a value vector, i.e. the probability of
+            key j is exp(S_ij) / (sum_l exp(S_il) + exp(s_aux[h])) over the kept keys l, with
+            S the scaled, softcapped, biased scores. softmax_lse includes it; -inf means no
+            sink. The output is differentiable in it (its gradient reaches the tensor
+            given). Implemented by the CPU reference (forward and backward); the CUDA kernels
+            do not implement it yet: a CUDA call with a sink raises NotImplementedError.
+        learnable_sink [optional]: (nheads,). Another name for s_aux (the name of
+            FlashAttention-4; s_aux is vLLM's FlashAttention-3's); passing both raises
+            ValueError."""
+
 _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
             implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
@@ -149,6 +167,7 @@ _COMMON_ARGS_DOC = """
             NotImplementedError in the backward. The CPU reference is always deterministic.
         return_attn_probs: bool. Whether to return the attention probabilities. This option
             is for testing only: the probabilities are recomputed in PyTorch (see below)."""
+_COMMON_ARGS_DOC_SINK = _COMMON_ARGS_DOC + _SINK_ARGS_DOC
 
 _MASK_DOC = """
     If causal=True, the causal mask is aligned to the bottom right corner of the attention
@@ -163,7 +182,7 @@ _MASK_DOC = """
         1 0
         1 1
     If a row of the mask is all zero, the output for that row is zero (and its logsumexp is
-    +inf).
+    +inf, or the sink's logit with a learnable sink).
 
     If window_size != (-1, -1), implements sliding window local attention. Query at position
     i will only attend to keys between
@@ -191,12 +210,15 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_qkvpacked_func"
     a = V.validate_qkvpacked(
         fn, qkv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
+        learnable_sink=learnable_sink,
     )
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
@@ -217,7 +239,7 @@ flash_attn_qkvpacked_func.__doc__ = (
 
     Arguments:
         qkv: (batch_size, seqlen, 3, nheads, headdim)"""
-    + _COMMON_ARGS_DOC
+    + _COMMON_ARGS_DOC_SINK
     + _BATCHED_RETURN
 )
 
@@ -233,12 +255,15 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_kvpacked_func"
     a = V.validate_kvpacked(
         fn, q, kv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
+        learnable_sink=learnable_sink,
     )
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
@@ -259,7 +284,7 @@ flash_attn_kvpacked_func.__doc__ = (
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim)
         kv: (batch_size, seqlen_k, 2, nheads_k, headdim)"""
-    + _COMMON_ARGS_DOC
+    + _COMMON_ARGS_DOC_SINK
     + _BATCHED_RETURN
 )
 
@@ -276,12 +301,15 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_func"
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
+        learnable_sink=learnable_sink,
     )
     return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
                       return_attn_probs)
@@ -299,7 +327,7 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim)
         v: (batch_size, seqlen_k, nheads_k, headdim)"""
-    + _COMMON_ARGS_DOC
+    + _COMMON_ARGS_DOC_SINK
     + _BATCHED_RETURN
 )
 
@@ -316,12 +344,15 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_varlen_qkvpacked_func"
     a = V.validate_varlen_qkvpacked(
         fn, qkv, cu_seqlens, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
+        learnable_sink=learnable_sink,
     )
     q, k, v = qkv.unbind(dim=1)
     return _attention(q, k, v, a, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
@@ -346,7 +377,7 @@ flash_attn_varlen_qkvpacked_func.__doc__ = (
         cu_seqlens: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
             of the sequences in the batch, used to index into qkv.
         max_seqlen: int. Maximum sequence length in the batch."""
-    + _COMMON_ARGS_DOC
+    + _COMMON_ARGS_DOC_SINK
     + _VARLEN_RETURN
 )
 
@@ -366,13 +397,16 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_varlen_kvpacked_func"
     a = V.validate_varlen_kvpacked(
         fn, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_attn_probs=return_attn_probs,
+        deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
+        learnable_sink=learnable_sink,
     )
     k, v = kv.unbind(dim=1)
     return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -403,7 +437,7 @@ flash_attn_varlen_kvpacked_func.__doc__ = (
             of the sequences in the batch, used to index into kv.
         max_seqlen_q: int. Maximum query sequence length in the batch.
         max_seqlen_k: int. Maximum key sequence length in the batch."""
-    + _COMMON_ARGS_DOC
+    + _COMMON_ARGS_DOC_SINK
     + _VARLEN_RETURN
 )
 
@@ -425,6 +459,8 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_varlen_func"
     a = V.validate_varlen_qkv(
@@ -432,7 +468,7 @@ def flash_attn_varlen_func(
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs,
-        block_table=block_table,
+        block_table=block_table, s_aux=s_aux, learnable_sink=learnable_sink,
     )
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
@@ -472,6 +508,7 @@ flash_attn_varlen_func.__doc__ = (
             page_block_size] of k and v; page_block_size a multiple of 64 (the pages' rules
             of flash_attn_with_kvcache). Forward only (a backward raises
             NotImplementedError), without return_attn_probs."""
+    + _SINK_ARGS_DOC
     + _VARLEN_RETURN
 )
 
@@ -496,14 +533,18 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    s_aux=None,
+    learnable_sink=None,
 ):
     fn = "flash_attn_with_kvcache"
     c = V.validate_kvcache(
         fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, s_aux, learnable_sink,
     )
     a = c.attn
+    if a.sink is not None and a.device_type == "cuda":
+        ops.reject_cuda_sink()  # before the cache update: a call that cannot run writes nothing
     first = c.cache_seqlens
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
@@ -607,11 +648,13 @@ flash_attn_with_kvcache.__doc__ = """
             1 (i.e. GPT-NeoX style).
         num_splits: int. Must be 0: the kernels choose how many pieces to split the keys into
             (FLASH_ATTN_SPLIT=0 turns the split off); other values raise NotImplementedError.
-        return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.
+        return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.""" \
+    + _SINK_ARGS_DOC + """
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).
         softmax_lse [optional, if return_softmax_lse=True]: (batch_size, nheads, seqlen),
             float32. The logsumexp of each row of the matrix QK^T * scaling (e.g., log of the
-            softmax normalization factor); +inf for rows that attend to no key.
+            softmax normalization factor), the sink's logit included when there is one; +inf
+            for rows that attend to no key (with a sink: the sink's logit).
 """

@@ -17,7 +17,12 @@ Semantics (shared with the CUDA kernels):
   ``-slope * |i + shift - j|`` (``shift`` as for the masks) is added to ``s`` of query head
   ``h`` (after the softcap), with ``slope = alibi_slopes[h]`` or ``alibi_slopes[b, h]``.
 * Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA).
-* A row with no kept column has output 0, log-sum-exp ``+inf`` and zero gradients.
+* ``sink`` (optional, ``(nheads,)``, the learnable sink of gpt-oss): the logit ``sink[h]``
+  joins the softmax denominator of every row of query head ``h`` without a value vector:
+  ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink[h]))`` over the kept ``k``, and the
+  log-sum-exp includes it. ``-inf`` is no sink.
+* A row with no kept column has output 0 and zero gradients, and log-sum-exp ``+inf``, or
+  ``sink[h]`` with a sink (its softmax is the sink alone, which carries no value).
 
 Everything is computed in float32 (float64 if any input is float64). ``out`` (and ``dq``,
 ``dk``, ``dv``) come back in the input dtype, ``softmax_lse`` always in float32 (as the kernels
@@ -140,22 +145,31 @@ def _sequence_slopes(alibi_slopes: Optional[Tensor], b: int) -> Optional[Tensor]
     return alibi_slopes[b:b + 1]
 
 
-def _masked_softmax(s: Tensor, keep: Tensor):
-    """Softmax over the kept entries of the last dim without producing NaNs (values or grads).
+def _masked_softmax(s: Tensor, keep: Tensor, sink: Optional[Tensor] = None):
+    """Softmax over the kept entries of the last dim without producing NaNs (values or grads),
+    with the sink logits (broadcastable to s without its last dim, e.g. (1, h, 1)) as one more
+    column of the denominator when given.
 
-    Returns (p, lse): p is 0 where not kept, and rows with nothing kept get p = 0, lse = +inf.
+    Returns (p, lse), p without the sink's column: p is 0 where not kept, and rows with nothing
+    kept get p = 0 and lse = +inf, or lse = sink with a sink.
     """
     neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
     # The row max is for numerical stability only; softmax is invariant to it, so detaching it
     # keeps the gradient exact while avoiding gradients through -inf / max.
     if s.shape[-1] == 0:  # no keys at all
-        m = s.new_zeros(s.shape[:-1] + (1,))
+        m = s.new_full(s.shape[:-1] + (1,), float("-inf"))
     else:
         m = torch.where(keep, s, neg_inf).amax(dim=-1, keepdim=True).detach()
+    if sink is not None:
+        sink = sink.unsqueeze(-1)
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     shifted = torch.where(keep, s - m, torch.zeros_like(s))
     e = torch.where(keep, torch.exp(shifted), torch.zeros_like(s))
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        # m >= sink unless sink is -inf, whose term (and its gradient) is then exactly 0.
+        denom = denom + torch.exp(sink - m)
     has_any = denom > 0
     safe_denom = torch.where(has_any, denom, torch.ones_like(denom))
     p = e / safe_denom
@@ -171,10 +185,15 @@ def _check_scale(softmax_scale: Optional[float], headdim: int) -> float:
     return float(softmax_scale)
 
 
+def _sink_logits(sink: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """sink (h,) as (1, h, 1) in dtype: broadcastable to a (b, h, sq) row statistic."""
+    return None if sink is None else sink.to(dtype).view(1, -1, 1)
+
+
 def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-                   alibi=None):
+                   alibi=None, sink=None):
     """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (h,),
-    (b, h) or None.
+    (b, h) or None; sink (h,) or None.
 
     Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
     b, sq, h, d = q.shape
@@ -185,7 +204,7 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
     if alibi is not None:
         s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
-    p, lse = _masked_softmax(s, keep)
+    p, lse = _masked_softmax(s, keep, _sink_logits(sink, s.dtype))
     if seqused_k is not None:
         # Rows past seqused_k are never read (an unused cache slot may hold NaN; 0 * NaN = NaN).
         used = torch.arange(sk, device=q.device)[None, :] < seqused_k.to(q.device)[:, None].long()
@@ -196,9 +215,11 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
 
 def _backward_dense(
     dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-    alibi=None,
+    alibi=None, sink=None,
 ):
-    """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype)."""
+    """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype).
+    The sink only changes p (its column has no value, so the formulas are otherwise those
+    without it)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     ke = _expand_kv_heads(k, h)
@@ -207,7 +228,7 @@ def _backward_dense(
     if alibi is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
         s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
-    p, _ = _masked_softmax(s, keep)
+    p, _ = _masked_softmax(s, keep, _sink_logits(sink, s.dtype))
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
     delta = (p * dp).sum(dim=-1, keepdim=True)  # == rowsum(dout * out)
@@ -218,6 +239,16 @@ def _backward_dense(
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q)
     return dq, _reduce_kv_heads(dk, hk), _reduce_kv_heads(dv, hk)
+
+
+def _empty_rows_lse(like: Tensor, nheads: int, rows: int, sink: Optional[Tensor]) -> Tensor:
+    """(nheads, rows) log-sum-exp of rows that attend to no key: +inf, or sink[h] with a sink
+    (-inf there is no sink: +inf)."""
+    if sink is None:
+        return like.new_full((nheads, rows), float("inf"))
+    s = sink.to(like.dtype)
+    s = torch.where(s == float("-inf"), torch.full_like(s, float("inf")), s)
+    return s[:, None].expand(nheads, rows)
 
 
 def _seq_bounds(cu_seqlens: Tensor) -> List[int]:
@@ -239,6 +270,7 @@ def attention_forward_ref(
     window_right: int = -1,
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference forward.
 
@@ -250,20 +282,22 @@ def attention_forward_ref(
         max_seqlen_q, max_seqlen_k: ignored (the reference reads the lengths from cu_seqlens).
         softmax_scale: default 1 / sqrt(headdim).
         causal, window_left, window_right, softcap, alibi_slopes: see the module docstring.
+        sink: (nheads,) or None: the learnable sink's logits (module docstring).
     Return:
         out: same shape and dtype as q, contiguous.
         softmax_lse: float32, (batch, nheads, seqlen_q), or
-            (nheads, total_q) for varlen; +inf for rows with no kept key.
+            (nheads, total_q) for varlen, the sink included; +inf for rows with no kept key
+            (sink[h] with a sink, also on varlen rows past cu_seqlens_q[-1]).
     """
     del max_seqlen_q, max_seqlen_k
-    cdt = _compute_dtype(q, k, v)
+    cdt = _compute_dtype(q, k, v, sink)
     lse_dtype = torch.float32
     scale = _check_scale(softmax_scale, q.shape[-1])
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     if cu_seqlens_q is None:
         out, lse = _forward_dense(
             qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes,
+            alibi_slopes, sink,
         )
         return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
@@ -279,17 +313,18 @@ def attention_forward_ref(
         o, l = _forward_dense(
             qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
             scale, causal, window_left, window_right, softcap, None,
-            _sequence_slopes(alibi_slopes, b),
+            _sequence_slopes(alibi_slopes, b), sink,
         )
         out_parts.append(o[0])
         lse_parts.append(l[0])
         covered = q1
-    # Rows past cu_seqlens_q[-1] (if any) belong to no sequence: output 0, lse +inf.
+    # Rows past cu_seqlens_q[-1] (if any) belong to no sequence: they attend to no key (output
+    # 0, lse +inf, or the sink's logit).
     if covered < total_q:
         out_parts.append(qc.new_zeros(total_q - covered, h, d))
-        lse_parts.append(qc.new_full((h, total_q - covered), float("inf")))
+        lse_parts.append(_empty_rows_lse(qc, h, total_q - covered, sink))
     out = torch.cat(out_parts, dim=0) if out_parts else qc.new_zeros(total_q, h, d)
-    lse = torch.cat(lse_parts, dim=1) if lse_parts else qc.new_full((h, total_q), float("inf"))
+    lse = torch.cat(lse_parts, dim=1) if lse_parts else _empty_rows_lse(qc, h, total_q, sink)
     return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
 
@@ -312,6 +347,7 @@ def attention_backward_ref(
     *,
     seqused_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: (dq, dk, dv) in the dtypes of (q, k, v), contiguous.
 
@@ -319,16 +355,18 @@ def attention_backward_ref(
     from ``q, k, v`` in float32 (float64 for float64 inputs). ``out`` and ``softmax_lse`` are
     accepted for signature parity with ``_C.bwd`` but are not used (recomputing them in high
     precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
-    are summed over each GQA group. Rows with no kept key contribute nothing.
+    are summed over each GQA group. Rows with no kept key contribute nothing. ``sink`` (nheads,)
+    is the forward's learnable sink (it changes the probabilities); its own gradient is
+    :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse.
     """
     del out, softmax_lse, max_seqlen_q, max_seqlen_k
-    cdt = _compute_dtype(q, k, v, dout)
+    cdt = _compute_dtype(q, k, v, dout, sink)
     scale = _check_scale(softmax_scale, q.shape[-1])
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
     if cu_seqlens_q is None:
         dq, dk, dv = _backward_dense(
             doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes,
+            alibi_slopes, sink,
         )
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
@@ -341,7 +379,7 @@ def attention_backward_ref(
             g = _backward_dense(
                 doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
                 vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
-                _sequence_slopes(alibi_slopes, b),
+                _sequence_slopes(alibi_slopes, b), sink,
             )
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]

@@ -75,23 +75,28 @@ def test_exports_and_version():
 
 
 def test_signatures_match_flash_attention_2():
+    """FlashAttention-2's parameters, in its order, then ours: the learnable sink under its two
+    names (s_aux, learnable_sink), last so that FlashAttention-2's positional calls work."""
     common = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
               "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
+    sink = "s_aux=None, learnable_sink=None"
     expected = {
-        flash_attn_func: f"(q, k, v, {common})",
-        flash_attn_qkvpacked_func: f"(qkv, {common})",
-        flash_attn_kvpacked_func: f"(q, kv, {common})",
-        flash_attn_varlen_qkvpacked_func: f"(qkv, cu_seqlens, max_seqlen, {common})",
+        flash_attn_func: f"(q, k, v, {common}, {sink})",
+        flash_attn_qkvpacked_func: f"(qkv, {common}, {sink})",
+        flash_attn_kvpacked_func: f"(q, kv, {common}, {sink})",
+        flash_attn_varlen_qkvpacked_func: f"(qkv, cu_seqlens, max_seqlen, {common}, {sink})",
         flash_attn_varlen_kvpacked_func:
-            f"(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common})",
+            f"(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
+            f"{sink})",
         flash_attn_varlen_func:
             f"(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
-            "block_table=None)",
+            f"block_table=None, {sink})",
         flash_attn_with_kvcache:
             "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
             "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
             "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
-            "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
+            "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, "
+            f"{sink})",
     }
     for fn, sig in expected.items():
         assert str(inspect.signature(fn)) == sig, fn.__name__

@@ -21,13 +21,17 @@ two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv
 not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
-handed to ``_bwd`` by the autograd formula. ``_kvcache_update`` follows
-``_C.kvcache_update`` and mutates the caches and ``q_rot``.
+handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
+float32 ``(nheads,)``), which ``_C`` does not take: their CPU kernels implement it, their CUDA
+kernels raise ``NotImplementedError``. ``_fwd``'s autograd formula returns the sink's
+gradient, computed from ``out``, ``dout`` and ``softmax_lse`` (:func:`sink_grad`).
+``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
 stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),
-``softmax_scale`` already resolved to a float, and the window normalized
-(``causal`` implies ``window_right == 0``).
+``softmax_scale`` already resolved to a float, the window normalized
+(``causal`` implies ``window_right == 0``), and the sink contiguous float32 (float64 beside
+float64 CPU inputs).
 
 Outputs are always freshly allocated contiguous tensors: ``out`` has q's shape and dtype,
 ``softmax_lse`` is float32 of shape ``(batch, nheads, seqlen_q)``, or ``(nheads, total_q)`` for
@@ -44,7 +48,8 @@ from torch import Tensor
 
 from .. import reference
 
-__all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension"]
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
+           "sink_grad", "reject_cuda_sink"]
 
 _EXT = None
 
@@ -127,6 +132,17 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         + "; `python -m flash_attn` lists what was built.")
 
 
+def reject_cuda_sink() -> None:
+    """Raise the NotImplementedError of a learnable sink on CUDA. The op's CUDA kernels raise it;
+    flash_attn_with_kvcache calls it before its cache update too, so that a call that cannot
+    run writes nothing."""
+    raise NotImplementedError(
+        "flash_attn: the learnable sink (s_aux / learnable_sink) is not implemented by the CUDA "
+        "kernels yet; the CPU reference implements it (forward and backward): pass CPU tensors, "
+        "or call without the sink"
+    )
+
+
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
     if cu_seqlens_q is not None:
         return (q.shape[1], q.shape[0])  # (nheads, total_q)
@@ -180,6 +196,7 @@ def _fwd_op(
     block_table: Optional[Tensor] = None,
     leftpad_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -189,7 +206,7 @@ def _fwd_op(
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-             kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
+             kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None):
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
@@ -209,7 +226,7 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
         cu_seqlens_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink,
     )
 
 
@@ -230,7 +247,10 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 @_fwd_op.register_kernel("cuda")
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
+              sink=None):
+    if sink is not None:
+        reject_cuda_sink()
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, cu_seqlens_q)
@@ -247,7 +267,8 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
+              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
+              sink=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -282,6 +303,7 @@ def _bwd_op(
     softcap: float,
     deterministic: bool,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_bwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -291,19 +313,21 @@ def _bwd_op(
 @_bwd_op.register_kernel("cpu")
 def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-             deterministic, alibi_slopes=None):
+             deterministic, alibi_slopes=None, sink=None):
     # The reference is deterministic whatever `deterministic` says.
     return reference.attention_backward_ref(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_slopes, sink=sink,
     )
 
 
 @_bwd_op.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None):
+              deterministic, alibi_slopes=None, sink=None):
+    if sink is not None:
+        reject_cuda_sink()
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)
@@ -319,7 +343,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None):
+              deterministic, alibi_slopes=None, sink=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -341,8 +365,10 @@ def flash_attn_bwd(
     softcap: float,
     deterministic: bool,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable.
+    """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable (the sink's
+    gradient is :func:`sink_grad`).
 
     Calls ``torch.ops.flash_attn._bwd`` while tracing, under grad mode (a backward with
     ``create_graph=True``: differentiating through the op then raises autograd's error, as the
@@ -351,10 +377,10 @@ def flash_attn_bwd(
     """
     args = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, alibi_slopes)
+            deterministic, alibi_slopes, sink)
     if (torch.compiler.is_compiling() or torch.is_grad_enabled()
             or not _direct_call_ok(q, dout, k, v, out, softmax_lse, cu_seqlens_q,
-                                   cu_seqlens_k, alibi_slopes)):
+                                   cu_seqlens_k, alibi_slopes, sink)):
         return _bwd_op(*args)
     return _bwd_cuda(*args) if q.is_cuda else _bwd_cpu(*args)
 
@@ -367,10 +393,10 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx, block_table, leftpad_k, alibi_slopes) = inputs
+     kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
-                          alibi_slopes)
+                          alibi_slopes, sink)
     ctx.has_seqused_k = seqused_k is not None
     ctx.paged = block_table is not None
     ctx.left_padded = leftpad_k is not None
@@ -388,7 +414,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
-     alibi_slopes) = ctx.saved_tensors
+     alibi_slopes, sink) = ctx.saved_tensors
     if ctx.left_padded:
         raise NotImplementedError(
             "flash_attn: the backward pass does not support a left-padded K/V (cache_leftpad; "
@@ -408,17 +434,46 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
         dout = dout.contiguous()
-    idx = None if kv_batch_idx is None else _kv_entries(kv_batch_idx, k)
-    keys, values = (k, v) if idx is None else (k[idx], v[idx])
-    dq, dk, dv = flash_attn_bwd(
-        dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
-        ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left, ctx.window_right,
-        ctx.softcap, ctx.deterministic, alibi_slopes,
-    )
-    if idx is not None:  # entries read by several query batches sum their gradients
-        dk = torch.zeros_like(k).index_add_(0, idx, dk)
-        dv = torch.zeros_like(v).index_add_(0, idx, dv)
-    return (dq, dk, dv) + (None,) * 15
+    needs = ctx.needs_input_grad
+    dq = dk = dv = dsink = None
+    if needs[0] or needs[1] or needs[2]:
+        idx = None if kv_batch_idx is None else _kv_entries(kv_batch_idx, k)
+        keys, values = (k, v) if idx is None else (k[idx], v[idx])
+        dq, dk, dv = flash_attn_bwd(
+            dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+            ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left,
+            ctx.window_right, ctx.softcap, ctx.deterministic, alibi_slopes, sink,
+        )
+        if idx is not None:  # entries read by several query batches sum their gradients
+            dk = torch.zeros_like(k).index_add_(0, idx, dk)
+            dv = torch.zeros_like(v).index_add_(0, idx, dv)
+    if sink is not None and needs[18]:
+        dsink = sink_grad(dout, out, lse, sink, cu_seqlens_q is not None)
+    return (dq, dk, dv) + (None,) * 15 + (dsink,)
+
+
+def sink_grad(dout: Tensor, out: Tensor, softmax_lse: Tensor, sink: Tensor,
+              varlen: bool) -> Tensor:
+    """The learnable sink's gradient, in the sink's dtype:
+    ``dsink[h] = -sum over rows r of head h of exp(sink[h] - lse[r]) * D[r]``, with
+    ``D[r] = rowsum(dout * out)`` over the head dim and lse including the sink (the sink's
+    probability times D, as for any score of the softmax; it has no value vector). Rows with no
+    kept key have out = 0, so D = 0; a -inf sink gets 0. Plain torch ops on any device: the
+    attention kernels' dq, dk, dv need nothing new for the sink, only a sink-including lse.
+
+    Arguments:
+        dout, out: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) (varlen).
+        softmax_lse: float32 (batch, nheads, seqlen_q), or (nheads, total_q) (varlen).
+        sink: (nheads,).
+    """
+    cdt = torch.float64 if torch.float64 in (out.dtype, sink.dtype) else torch.float32
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)  # (batch, seqlen_q, nheads) or (total, nheads)
+    if varlen:
+        delta = delta.transpose(0, 1).unsqueeze(0)  # (1, nheads, total_q)
+    else:
+        delta = delta.transpose(1, 2)  # (batch, nheads, seqlen_q)
+    p_sink = torch.exp(sink.to(cdt)[None, :, None] - softmax_lse.to(cdt).reshape(delta.shape))
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -458,25 +513,27 @@ def flash_attn_fwd(
     block_table: Optional[Tensor] = None,
     leftpad_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Attention forward: ``(out, softmax_lse)``, differentiable in q, k and v (softmax_lse is
-    not differentiable).
+    """Attention forward: ``(out, softmax_lse)``, differentiable in q, k, v and the sink
+    (softmax_lse is not differentiable).
 
     While ``torch.compile`` traces, or when :func:`_direct_call_ok` says no, this is the custom op
     ``torch.ops.flash_attn._fwd``, which traces as one node. In eager mode it calls the op's
-    kernel for q's device directly: through ``_FlashAttnFunc`` when grad mode is on and q, k or
-    v requires grad (the gradient reaches only those), else without autograd. Both ways run
-    the same kernels and the same backward formula.
+    kernel for q's device directly: through ``_FlashAttnFunc`` when grad mode is on and q, k, v
+    or the sink requires grad (the gradient reaches only those), else without autograd. Both
+    ways run the same kernels and the same backward formula.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table, leftpad_k, alibi_slopes)
+            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
-                                                             leftpad_k, alibi_slopes):
+                                                             leftpad_k, alibi_slopes, sink):
         return _fwd_op(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):
         return _FlashAttnFunc.apply(*args)
     return _fwd_impl(*args)
 
