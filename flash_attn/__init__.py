@@ -22,6 +22,11 @@ from .flash_attn_interface import (  # noqa: E402
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+from .ring_attention import (  # noqa: E402
+    ring_flash_attn_func,
+    zigzag_shard,
+    zigzag_unshard,
+)
 
 __all__ = [
     "__version__",
@@ -33,4 +38,7 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
+    "ring_flash_attn_func",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

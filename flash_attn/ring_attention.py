@@ -1,0 +1,545 @@
+"""Context parallelism: ring attention over ``torch.distributed``, forward and backward.
+
+Each rank of a process group holds a shard of the sequence of q, k and v. The K/V shards go
+round the ring (rank r sends to r + 1 and receives from r - 1) with point-to-point operations
+(``batch_isend_irecv``: NCCL on GPUs, gloo on CPU); each rank attends its queries to every
+K/V shard in turn and merges the partial outputs with their log-sum-exp. The backward sends
+K/V round the ring again, together with the dK/dV accumulators, so that each accumulator ends
+at the rank that owns its K/V shard.
+
+The transfer of the next K/V shard is issued before the current shard's attention runs and
+waited for after it, so they overlap: with NCCL the transfers run on NCCL's own stream and
+``wait()`` makes the compute stream wait for them; with gloo they run on gloo's threads.
+
+Sharding (``zigzag``):
+
+* ``zigzag=True`` (the default): the sequence is split into 2N chunks and rank r holds chunks
+  r and 2N-1-r, concatenated in that order. With a causal mask every rank then does the same
+  amount of work. :func:`zigzag_shard` / :func:`zigzag_unshard` convert a full batch.
+* ``zigzag=False``: contiguous shards, rank r holds rows ``[r * S, (r + 1) * S)``.
+
+Masks (causal, sliding window) are in global positions. Each (query chunk, key chunk) pair is
+cut down to the rows and columns that see at least one key, and the kernel is called on that
+sub-block with the window re-expressed in the kernel's bottom-right alignment (or with no mask
+when the sub-block is fully visible, and not at all when nothing is visible).
+
+Device paths: CUDA calls the kernels through :func:`flash_attn.ops.flash_attn_fwd` /
+:func:`flash_attn.ops.flash_attn_bwd`; the CUDA backward kernel reads the ``out`` and
+``softmax_lse`` it is handed, which here are the merged (global) ones, as ring attention needs.
+CPU runs plain PyTorch with the same semantics, in float64 for float64 inputs: the CPU
+reference op rounds softmax_lse to float32 and its backward recomputes a block-local softmax
+(it ignores ``out`` / ``softmax_lse``), neither of which suits merging blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops, reference
+from .flash_attn_interface import flash_attn_func
+
+__all__ = ["ring_flash_attn_func", "zigzag_shard", "zigzag_unshard"]
+
+# Tags keep the K/V and dK/dV messages apart on gloo (NCCL ignores tags; there, both sides
+# issue the messages in the same order, which is what matches them).
+_TAG_KV = 0
+_TAG_DKV = 1
+
+# (global start, local start, length) of one contiguous run of a shard's rows.
+Segment = Tuple[int, int, int]
+
+
+# --------------------------------------------------------------------------------------------
+# sharding helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _group_size_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(world size, rank) of ``group``; (1, 0) when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("flash_attn: a process group was given but torch.distributed is "
+                               "not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def zigzag_shard(x: Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """This rank's zigzag shard of the full sequence ``x`` (no communication).
+
+    The sequence (``x.shape[dim]``) is split into 2N chunks (N = the group's size); rank r gets
+    chunks r and 2N-1-r, concatenated along ``dim``.
+
+    Arguments:
+        x: the full tensor, the same on every rank, e.g. (batch, seqlen, nheads, headdim).
+        dim: the sequence dim.
+        group: the process group (default: the world; a group of one when torch.distributed
+            is not initialized).
+    Return:
+        (..., seqlen / N, ...), contiguous.
+    """
+    n, r = _group_size_rank(group)
+    seqlen = x.shape[dim]
+    if seqlen % (2 * n) != 0:
+        raise ValueError(
+            f"zigzag_shard: the sequence length ({seqlen}, dim {dim}) must be divisible by "
+            f"2 * world size = {2 * n}")
+    chunks = x.chunk(2 * n, dim=dim)
+    return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim=dim).contiguous()
+
+
+def zigzag_unshard(x: Tensor, dim: int = 1,
+                   group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """The full sequence from every rank's zigzag shard (an ``all_gather``, not
+    differentiable): the inverse of :func:`zigzag_shard`.
+
+    Arguments:
+        x: this rank's shard, e.g. (batch, seqlen / N, nheads, headdim); the same shape on
+            every rank, with an even length along ``dim``.
+        dim: the sequence dim.
+        group: the process group.
+    Return:
+        (..., seqlen, ...) on every rank.
+    """
+    n, _ = _group_size_rank(group)
+    if x.shape[dim] % 2 != 0:
+        raise ValueError(f"zigzag_unshard: a zigzag shard has two equal chunks, but its length "
+                         f"along dim {dim} is {x.shape[dim]} (odd)")
+    if n == 1:
+        return x.contiguous()
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    chunks: List[Optional[Tensor]] = [None] * (2 * n)
+    for r, p in enumerate(parts):
+        chunks[r], chunks[2 * n - 1 - r] = p.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def _segments(rank: int, world: int, seqlen_local: int, zigzag: bool) -> List[Segment]:
+    """The runs of global rows that ``rank``'s shard holds."""
+    if not zigzag:
+        return [(rank * seqlen_local, 0, seqlen_local)]
+    half = seqlen_local // 2
+    return [(rank * half, 0, half), ((2 * world - 1 - rank) * half, half, half)]
+
+
+# --------------------------------------------------------------------------------------------
+# per-block masks
+# --------------------------------------------------------------------------------------------
+
+
+class _Block:
+    """The visible sub-block of one (query segment, key segment) pair and the kernel's mask.
+
+    ``rows`` / ``cols`` are local slices of the query / key shard; ``causal``,
+    ``window_left``, ``window_right`` are the kernel's arguments for that sub-block (bottom-right
+    aligned, -1 unbounded)."""
+
+    __slots__ = ("rows", "cols", "causal", "window_left", "window_right")
+
+    def __init__(self, rows: slice, cols: slice, causal: bool, window_left: int,
+                 window_right: int):
+        self.rows, self.cols = rows, cols
+        self.causal, self.window_left, self.window_right = causal, window_left, window_right
+
+
+def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[_Block]:
+    """The sub-block of ``qseg`` x ``kseg`` where a query at global position p keeps the keys
+    at positions ``[p - left, p + right]`` (``left`` / ``right`` may be ``math.inf``), or None
+    when it keeps none.
+
+    In the pair's local coordinates (i: query row, j: key column) a key is kept when
+    ``lo <= j - i <= hi``, with ``lo = d - left``, ``hi = d + right`` and ``d`` the query
+    segment's global start minus the key segment's. Rows with a kept key are
+    ``[max(0, -hi), min(Sq - 1, Sk - 1 - lo)]``, columns ``[max(0, lo), min(Sk - 1, Sq - 1 + hi)]``.
+    The kernel keeps ``j - i`` in ``[o - window_left, o + window_right]`` with
+    ``o = cols - rows`` (bottom-right alignment), hence the window below. For the equal-length
+    segments used here the band always contains the sub-block's bottom-right corner, so both
+    window sides come out >= 0 (checked)."""
+    q0, ql0, sq = qseg
+    k0, kl0, sk = kseg
+    d = q0 - k0
+    lo, hi = d - left, d + right
+    r0, r1 = max(0, -hi), min(sq - 1, sk - 1 - lo)
+    c0, c1 = max(0, lo), min(sk - 1, sq - 1 + hi)
+    if r0 > r1 or c0 > c1:
+        return None
+    r0, r1, c0, c1 = int(r0), int(r1), int(c0), int(c1)
+    nrows, ncols = r1 - r0 + 1, c1 - c0 + 1
+    # The band in the sub-block's coordinates.
+    lo, hi = lo + r0 - c0, hi + r0 - c0
+    rows, cols = slice(ql0 + r0, ql0 + r1 + 1), slice(kl0 + c0, kl0 + c1 + 1)
+    if lo <= -(nrows - 1) and hi >= ncols - 1:
+        return _Block(rows, cols, False, -1, -1)
+    o = ncols - nrows
+    wl = -1 if math.isinf(lo) else int(o - lo)
+    wr = -1 if math.isinf(hi) else int(hi - o)
+    assert (wl >= 0 or math.isinf(lo)) and (wr >= 0 or math.isinf(hi)), (qseg, kseg, lo, hi)
+    # The kernels take a causal mask as causal=True with window_right 0.
+    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr)
+
+
+def _blocks(qsegs: List[Segment], ksegs: List[Segment], left: float,
+            right: float) -> List[_Block]:
+    out = []
+    for qs in qsegs:
+        for ks in ksegs:
+            b = _block(qs, ks, left, right)
+            if b is not None:
+                out.append(b)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# per-block kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
+               softcap: float) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of q's rows against one K/V block, lse (batch, nheads, rows) with +inf on
+    rows that keep no key. CUDA: the kernel (out in q's dtype, lse float32); CPU: the compute
+    dtype (float64 for float64 inputs) for both."""
+    if q.is_cuda:
+        return ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale,
+                                  blk.causal, blk.window_left, blk.window_right, softcap)
+    cdt = reference._compute_dtype(q, k, v)
+    return reference._forward_dense(q.to(cdt), k.to(cdt), v.to(cdt), scale, blk.causal,
+                                    blk.window_left, blk.window_right, softcap, None)
+
+
+def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               scale: float, blk: _Block, softcap: float,
+               deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one K/V block given the merged ``out`` and ``lse`` of q's rows: the
+    probabilities are ``exp(s - lse)`` with the global lse and the softmax term uses
+    ``rowsum(dout * out)`` with the global out, as in the kernels' backward. dk/dv are summed
+    over each GQA group."""
+    if q.is_cuda:
+        # The row slice of lse is strided; the kernel reads it as a contiguous array.
+        return ops.flash_attn_bwd(dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1],
+                                  k.shape[1], scale, blk.causal, blk.window_left,
+                                  blk.window_right, softcap, deterministic)
+    cdt = reference._compute_dtype(q, k, v, dout)
+    qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
+    h, hk = q.shape[2], k.shape[2]
+    ke, ve = reference._expand_kv_heads(kc, h), reference._expand_kv_heads(vc, h)
+    s, t = reference._scores(qc, ke, scale, softcap)
+    keep = reference.keep_mask(q.shape[1], k.shape[1], blk.causal, blk.window_left,
+                               blk.window_right, device=q.device)
+    # lse is +inf on rows without any kept key anywhere: exp gives 0 there.
+    p = torch.exp(s - lse.to(cdt)[..., None]).masked_fill(~keep, 0.0)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, doc)
+    dp = torch.einsum("bqhd,bkhd->bhqk", doc, ve)
+    delta = (doc * out.to(cdt)).sum(-1).transpose(1, 2)[..., None]  # (b, h, q, 1)
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    ds = ds * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qc)
+    return dq, reference._reduce_kv_heads(dk, hk), reference._reduce_kv_heads(dv, hk)
+
+
+# --------------------------------------------------------------------------------------------
+# communication
+# --------------------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Sends to the next rank and receives from the previous one, asynchronously."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int):
+        self.group = group
+        self.world, self.rank = world, rank
+        self.next = self._global((rank + 1) % world)
+        self.prev = self._global((rank - 1) % world)
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def exchange(self, x: Tensor, tag: int) -> Tuple[list, Tensor]:
+        """Start sending ``x`` to the next rank and receiving a tensor like it from the previous
+        one; returns (requests, receive buffer). ``x`` must not change until the requests are
+        waited for."""
+        buf = torch.empty_like(x)
+        reqs = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, buf, self.prev, self.group, tag),
+        ])
+        return reqs, buf
+
+
+def _wait(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# forward / backward
+# --------------------------------------------------------------------------------------------
+
+
+def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tensor) -> None:
+    """Merge a partial (out, lse) of ``rows`` into the accumulators (in place). Rows that keep
+    no key have lse -inf in the accumulator (+inf from the kernels)."""
+    lse = lse.to(acc_lse.dtype)
+    lse = torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+    old = acc_lse[:, :, rows]
+    new = torch.logaddexp(old, lse)
+    empty = new == float("-inf")
+    safe = torch.where(empty, torch.zeros_like(new), new)
+    w_old = torch.where(empty, torch.zeros_like(new), torch.exp(old - safe))
+    w_new = torch.where(empty, torch.zeros_like(new), torch.exp(lse - safe))
+    acc_out[:, rows] = (acc_out[:, rows] * w_old.transpose(1, 2)[..., None]
+                        + out.to(acc_out.dtype) * w_new.transpose(1, 2)[..., None])
+    acc_lse[:, :, rows] = new
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, zigzag: bool, scale: float,
+                  left: float, right: float, softcap: float) -> Tuple[Tensor, Tensor]:
+    b, s, h, d = q.shape
+    cdt = reference._compute_dtype(q, k, v)
+    acc_out = torch.zeros(b, s, h, d, dtype=cdt, device=q.device)
+    acc_lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
+    qsegs = _segments(ring.rank, ring.world, s, zigzag)
+    kv = torch.stack([k, v])
+    for step in range(ring.world):
+        if step < ring.world - 1:
+            reqs, kv_next = ring.exchange(kv, _TAG_KV)
+        owner = (ring.rank - step) % ring.world
+        for blk in _blocks(qsegs, _segments(owner, ring.world, s, zigzag), left, right):
+            o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
+                                blk, softcap)
+            _merge(acc_out, acc_lse, blk.rows, o, lse)
+        if step < ring.world - 1:
+            _wait(reqs)
+            kv = kv_next
+    # The kernels' convention for rows that keep no key: out 0 (already), lse +inf.
+    acc_lse = torch.where(acc_lse == float("-inf"), torch.full_like(acc_lse, float("inf")),
+                          acc_lse)
+    return acc_out.to(q.dtype), acc_lse.to(torch.float32 if q.is_cuda else cdt)
+
+
+def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   ring: _Ring, zigzag: bool, scale: float, left: float, right: float,
+                   softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    s = q.shape[1]
+    cdt = reference._compute_dtype(q, k, v, dout)
+    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    qsegs = _segments(ring.rank, ring.world, s, zigzag)
+    kv = torch.stack([k, v])
+    dkv_reqs: list = []
+    dkv_in: Optional[Tensor] = None
+    for step in range(ring.world):
+        if step < ring.world - 1:
+            kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
+        owner = (ring.rank - step) % ring.world
+        part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+        for blk in _blocks(qsegs, _segments(owner, ring.world, s, zigzag), left, right):
+            g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
+                                       kv[1][:, blk.cols], out[:, blk.rows],
+                                       lse[:, :, blk.rows], scale, blk, softcap, deterministic)
+            dq[:, blk.rows] += g_q
+            part[0][:, blk.cols] += g_k
+            part[1][:, blk.cols] += g_v
+        # The accumulator of this K/V block arrives from the previous rank (which had the block
+        # one step earlier) while this step computes; at step 0 the block is this rank's own.
+        if dkv_in is not None:
+            _wait(dkv_reqs)
+            part = part + dkv_in
+        dkv_reqs, dkv_in = ring.exchange(part, _TAG_DKV)
+        if step < ring.world - 1:
+            _wait(kv_reqs)
+            kv = kv_next
+    # After the last step each accumulator takes one more hop, to the owner of its block.
+    _wait(dkv_reqs)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingFlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, zigzag: bool, scale: float,
+                left: float, right: float, softcap: float,
+                deterministic: bool) -> Tuple[Tensor, Tensor]:
+        out, lse = _ring_forward(q, k, v, ring, zigzag, scale, left, right, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (ring, zigzag, scale, left, right, softcap, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv) + (None,) * 7
+
+
+# --------------------------------------------------------------------------------------------
+# validation and the public function
+# --------------------------------------------------------------------------------------------
+
+
+def _local_error(q: Tensor, k: Tensor, v: Tensor, zigzag: bool) -> Optional[str]:
+    """What is wrong with this rank's shards on their own, or None."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        return (f"q and k/v must have the same batch, shard length and head dim (the shards "
+                f"hold the same positions), got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        return (f"the number of query heads ({q.shape[2]}) must be a multiple of the number of "
+                f"K/V heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}"
+    if zigzag and q.shape[1] % 2 != 0:
+        return (f"with zigzag=True a shard holds two equal chunks, so its length must be even, "
+                f"got {q.shape[1]} (the sequence length must be divisible by 2 * world size)")
+    if q.is_cuda and q.shape[3] % 8 != 0:
+        return f"on CUDA the head dim must be a multiple of 8, got {q.shape[3]}"
+    return None
+
+
+def _backend_error(device: torch.device, backend: str) -> Optional[str]:
+    """Whether tensors on ``device`` can go through a group with ``backend`` (gloo: CPU,
+    NCCL: CUDA; a mixed backend such as "cpu:gloo,cuda:nccl" names its devices)."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        devices = {part.split(":")[0] for part in backend.split(",")}
+    else:
+        devices = {"gloo": {"cpu"}, "nccl": {"cuda"}}.get(backend, {device.type})
+    if device.type not in devices:
+        return (f"tensors on {device} cannot go through the group's {backend!r} backend "
+                f"(gloo: CPU tensors, NCCL: CUDA tensors)")
+    return None
+
+
+def _check_shapes(q: Tensor, k: Tensor, local: Optional[str],
+                  group: Optional[dist.ProcessGroup], world: int, rank: int) -> None:
+    """One all_gather of every rank's shapes (and whether its own checks passed), so that every
+    rank raises the same error instead of some of them waiting forever in the ring."""
+    info = [0 if local is None else 1]
+    if local is None:
+        info += list(q.shape) + [k.shape[2]]
+    else:
+        info += [0] * 5
+    mine = torch.tensor(info, dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every_l = [t.tolist() for t in every]
+    if local is not None:
+        raise ValueError(f"ring_flash_attn_func: {local}")
+    bad = [r for r, t in enumerate(every_l) if t[0]]
+    if bad:
+        raise ValueError(f"ring_flash_attn_func: rank(s) {bad} of the group rejected their "
+                         f"input (see their error)")
+    if any(t != every_l[0] for t in every_l):
+        shapes = {r: f"q {tuple(t[1:5])}, nheads_k {t[5]}" for r, t in enumerate(every_l)}
+        raise ValueError(f"ring_flash_attn_func: the shards must have the same shapes on every "
+                         f"rank (equal sequence lengths), got {shapes} (this is rank {rank})")
+
+
+def ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    zigzag: bool = True,
+    dropout_p: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_softmax_lse: bool = False,
+):
+    """Attention over a sequence sharded across the ranks of ``group`` (context parallelism).
+
+    Every rank calls this with its shard; the result is this rank's rows of attention over the
+    full sequence, and the gradients of q, k, v are this rank's rows of the full gradients.
+    Masks are in global positions (the sequence's order before sharding).
+
+    Arguments:
+        q: (batch, seqlen_local, nheads, headdim), this rank's shard of the queries.
+        k, v: (batch, seqlen_local, nheads_k, headdim), the same rows of the keys / values;
+            nheads a multiple of nheads_k (GQA / MQA).
+        group: the process group (default: the world). A group of one, or torch.distributed
+            not initialized, runs :func:`flash_attn.flash_attn_func` on the shard.
+        causal: causal mask over global positions.
+        window_size: (left, right), sliding window over global positions, -1 unbounded.
+        softcap: > 0 applies ``softcap * tanh(s / softcap)`` to the scores.
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        zigzag: True: rank r of N holds chunks r and 2N-1-r of the sequence split into 2N
+            (:func:`zigzag_shard`); False: rank r holds rows ``[r * S, (r + 1) * S)``.
+        dropout_p, alibi_slopes, return_attn_probs: not implemented under sharding (a value
+            other than the default raises NotImplementedError).
+        deterministic: handed to the CUDA backward kernel (the ring's own order is fixed).
+        return_softmax_lse: also return this rank's rows of the log-sum-exp.
+    Return:
+        out: (batch, seqlen_local, nheads, headdim).
+        softmax_lse (only with return_softmax_lse): (batch, nheads, seqlen_local), natural log,
+            +inf on rows that keep no key; float32, except float64 for float64 CPU inputs on
+            more than one rank.
+
+    Before the ring starts, the call checks its inputs and does one small ``all_gather`` of every
+    rank's shard shape, so that shards of different lengths (or one rank's bad input) give
+    every rank a ValueError rather than a hang. The group's backend must match the device (gloo:
+    CPU, NCCL: CUDA).
+    """
+    fn = "ring_flash_attn_func"
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{fn}: alibi_slopes is not implemented under sharding")
+    if return_attn_probs:
+        raise NotImplementedError(f"{fn}: return_attn_probs is not implemented under sharding "
+                                  f"(use return_softmax_lse for the log-sum-exp)")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"{fn}: window_size must be a pair of ints >= -1, got {window_size!r}")
+    if softcap < 0:
+        raise ValueError(f"{fn}: softcap must be >= 0, got {softcap}")
+    world, rank = _group_size_rank(group)
+    if world == 1:
+        out, lse, _ = _single(q, k, v, causal, window_size, softcap, softmax_scale,
+                              deterministic)
+        return (out, lse) if return_softmax_lse else out
+
+    backend_err = _backend_error(q.device, dist.get_backend(group))
+    if backend_err is not None:
+        # Raised before any communication: the shape check below would itself fail or hang.
+        raise ValueError(f"{fn}: {backend_err}")
+    local = _local_error(q, k, v, zigzag)
+    _check_shapes(q, k, local, group, world, rank)
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    left = math.inf if window_size[0] < 0 else window_size[0]
+    right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    ring = _Ring(group, world, rank)
+    out, lse = _RingFlashAttnFunc.apply(q, k, v, ring, zigzag, scale, left, right,
+                                        float(softcap), deterministic)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _single(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
+            softcap: float, softmax_scale: Optional[float],
+            deterministic: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """A group of one: the single-device path, with its lse."""
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           window_size=tuple(window_size), softcap=softcap,
+                           deterministic=deterministic, return_attn_probs=True)

@@ -1,0 +1,224 @@
+"""Ring attention (flash_attn.ring_attention) on CPU: 2 and 4 processes over gloo.
+
+Each world size is spawned once (module-scoped fixture): every rank runs every case and writes
+"ok" or the traceback per case to a file; the tests below read them. Each case compares this
+rank's output and gradients with flash_attn_func (the CPU reference) on the full sequence, in
+float64.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flash_attn
+from flash_attn import ring_flash_attn_func, zigzag_shard, zigzag_unshard
+from flash_attn.ring_attention import _backend_error
+
+CHUNK = 3  # rows per zigzag chunk: the sequence is 2 * world * CHUNK long
+RTOL = 1e-10
+
+# name -> (zigzag, causal, window_size, softcap, nheads, nheads_k)
+CASES = {
+    "noncausal_zigzag": (True, False, (-1, -1), 0.0, 2, 2),
+    "causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2),
+    "noncausal_contiguous": (False, False, (-1, -1), 0.0, 2, 2),
+    "causal_contiguous": (False, True, (-1, -1), 0.0, 2, 2),
+    "causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2),
+    "noncausal_contiguous_mqa": (False, False, (-1, -1), 0.0, 3, 1),
+    "causal_zigzag_softcap": (True, True, (-1, -1), 2.5, 2, 2),
+    "window_4_0_zigzag": (True, False, (4, 0), 0.0, 2, 2),
+    "window_5_2_zigzag_gqa": (True, False, (5, 2), 0.0, 4, 2),
+    "window_1_7_contiguous": (False, False, (1, 7), 0.0, 2, 2),
+    "window_0_0_zigzag": (True, False, (0, 0), 0.0, 2, 2),
+    "window_left_only_causal_contiguous": (False, True, (7, -1), 0.0, 2, 2),
+    "window_right_only_zigzag_softcap": (True, False, (-1, 2), 1.5, 2, 2),
+}
+# bf16 shards, checked with the accuracy rule (attn_ref) against float64 attention.
+BF16_CASES = {
+    "bf16_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2),
+    "bf16_window_contiguous_softcap": (False, False, (4, 1), 3.0, 2, 2),
+}
+ERROR_CASES = ["unequal_shards", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
+               "not_implemented", "group_of_one"]
+ALL_CASES = list(CASES) + list(BF16_CASES) + ERROR_CASES
+
+
+def _check_case(name: str, world: int, rank: int) -> None:
+    bf16 = name in BF16_CASES
+    zigzag, causal, window, softcap, h, hk = (BF16_CASES if bf16 else CASES)[name]
+    seqlen = 2 * world * CHUNK
+    g = torch.Generator().manual_seed(list(CASES).index(name) if name in CASES else 99)
+    b, d = 2, 8
+    dtype = torch.bfloat16 if bf16 else torch.float64
+    q, k, v, dout = (torch.randn(b, seqlen, n, d, generator=g, dtype=torch.float64).to(dtype)
+                     for n in (h, hk, hk, h))
+    s = seqlen // world
+
+    def shard(x):
+        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
+
+    def unshard(x):
+        if zigzag:
+            return zigzag_unshard(x, 1)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=1)
+
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out = ring_flash_attn_func(qs, ks, vs, causal=causal, window_size=window, softcap=softcap,
+                               zigzag=zigzag)
+    out.backward(shard(dout))
+    if bf16:
+        from attn_ref import compare_to_ref, plain_qkv
+
+        grads = [unshard(x.grad) for x in (qs, ks, vs)]
+        compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv,
+                       {"causal": causal, "window_size": window, "softcap": softcap}, dout)
+        return
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = flash_attn.flash_attn_func(qr, kr, vr, causal=causal, window_size=window,
+                                     softcap=softcap)
+    ref.backward(dout)
+    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
+                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                            ("dv", unshard(vs.grad), vr.grad)):
+        err = (got - want).abs().max().item()
+        # Floored at 1 (the inputs' scale): with window (0, 0) dq is 0, up to rounding.
+        scale = max(want.abs().max().item(), 1.0)
+        assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+
+
+def _raises(exc, fn, *words):
+    try:
+        fn()
+    except exc as e:
+        for w in words:
+            assert w in str(e), f"{w!r} not in {e}"
+        return
+    raise AssertionError(f"no {exc.__name__}")
+
+
+def _check_error(name: str, world: int, rank: int) -> None:
+    x = torch.randn(1, 2 * CHUNK, 2, 8, dtype=torch.float64)
+    if name == "unequal_shards":
+        # Rank 0's shard is shorter: every rank gets the ValueError from the shape check.
+        y = x[:, :2] if rank == 0 else x
+        _raises(ValueError, lambda: ring_flash_attn_func(y, y, y), "same shapes")
+    elif name == "zigzag_odd":
+        y = x[:, :3]
+        _raises(ValueError, lambda: ring_flash_attn_func(y, y, y, zigzag=True), "even")
+    elif name == "shard_indivisible":
+        full = torch.randn(1, 2 * world + 1, 2, 8)
+        _raises(ValueError, lambda: zigzag_shard(full, 1), "divisible by 2 * world size")
+    elif name == "meta_with_gloo":
+        y = torch.empty(1, 4, 2, 8, device="meta")
+        _raises(ValueError, lambda: ring_flash_attn_func(y, y, y), "gloo")
+    elif name == "not_implemented":
+        for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"),
+                             ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"),
+                             ({"return_attn_probs": True}, "return_attn_probs")):
+            _raises(NotImplementedError, lambda: ring_flash_attn_func(x, x, x, **kwargs), word)
+    elif name == "group_of_one":
+        # Every rank must take part in creating every group.
+        groups = [dist.new_group([r]) for r in range(world)]
+        xr = x.clone().requires_grad_()
+        out, lse = ring_flash_attn_func(xr, x, x, group=groups[rank], causal=True,
+                                        return_softmax_lse=True)
+        ref = flash_attn.flash_attn_func(x, x, x, causal=True)
+        assert torch.equal(out, ref) and lse.shape == (1, 2, 2 * CHUNK)
+        out.sum().backward()
+        assert xr.grad is not None
+    else:
+        raise KeyError(name)
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    results: Dict[str, str] = {}
+    try:
+        for name in ALL_CASES:
+            try:
+                if name not in ERROR_CASES:
+                    _check_case(name, world, rank)
+                else:
+                    _check_error(name, world, rank)
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            # A failing case on one rank must not leave the others mid-ring for the next one.
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def ring_results(request, tmp_path_factory):
+    world = request.param
+    d = tmp_path_factory.mktemp(f"ring{world}")
+    mp.start_processes(_worker, args=(world, str(d / "init"), str(d)), nprocs=world,
+                       join=True, start_method="spawn")
+    return world, [json.load(open(d / f"rank{r}.json")) for r in range(world)]
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_ring(ring_results, name):
+    world, results = ring_results
+    failures = {r: res.get(name, "not run") for r, res in enumerate(results)
+                if res.get(name) != "ok"}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+
+
+def test_not_initialized_is_a_group_of_one():
+    assert not dist.is_initialized()
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    out = ring_flash_attn_func(x, x, x, causal=True, window_size=(2, 0), softcap=1.0)
+    ref = flash_attn.flash_attn_func(x, x, x, causal=True, window_size=(2, 0), softcap=1.0)
+    assert torch.equal(out, ref)
+    assert torch.equal(zigzag_unshard(zigzag_shard(x[:, :4], 1), 1), x[:, :4])
+
+
+def test_backend_device_rule():
+    assert _backend_error(torch.device("cpu"), "gloo") is None
+    assert _backend_error(torch.device("cuda", 0), "nccl") is None
+    assert "nccl" in _backend_error(torch.device("cpu"), "nccl")
+    assert "gloo" in _backend_error(torch.device("cuda", 0), "gloo")
+    assert _backend_error(torch.device("cpu"), "cpu:gloo,cuda:nccl") is None
+    assert _backend_error(torch.device("cuda"), "cpu:gloo,cuda:nccl") is None
+
+
+def test_window_blocks_cover_the_band():
+    # Every (query chunk, key chunk) pair's sub-block, masked as the kernel masks it, equals the
+    # global window restricted to the pair.
+    from flash_attn.reference import keep_mask
+    from flash_attn.ring_attention import _block
+
+    n = 4
+    for left, right in ((math.inf, 0), (3, 0), (0, 0), (2, 5), (math.inf, 2), (6, math.inf),
+                        (math.inf, math.inf)):
+        for qi in range(2 * n):
+            for ki in range(2 * n):
+                want = torch.zeros(n, n, dtype=torch.bool)
+                for i in range(n):
+                    for j in range(n):
+                        delta = (ki * n + j) - (qi * n + i)
+                        want[i, j] = -left <= delta <= right
+                got = torch.zeros(n, n, dtype=torch.bool)
+                blk = _block((qi * n, 0, n), (ki * n, 0, n), left, right)
+                if blk is not None:
+                    rows, cols = blk.rows, blk.cols
+                    got[rows, cols] = keep_mask(rows.stop - rows.start, cols.stop - cols.start,
+                                                blk.causal, blk.window_left, blk.window_right)
+                assert torch.equal(got, want), (left, right, qi, ki)
