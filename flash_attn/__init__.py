@@ -24,8 +24,11 @@ from .flash_attn_interface import (  # noqa: E402
 )
 from .ring_attention import (  # noqa: E402
     ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
     zigzag_shard,
+    zigzag_shard_varlen,
     zigzag_unshard,
+    zigzag_unshard_varlen,
 )
 
 __all__ = [
@@ -39,6 +42,9 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
     "ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
     "zigzag_shard",
+    "zigzag_shard_varlen",
     "zigzag_unshard",
+    "zigzag_unshard_varlen",
 ]

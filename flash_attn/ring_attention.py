@@ -18,6 +18,10 @@ Sharding (``zigzag``):
   amount of work. :func:`zigzag_shard` / :func:`zigzag_unshard` convert a full batch.
 * ``zigzag=False``: contiguous shards, rank r holds rows ``[r * S, (r + 1) * S)``.
 
+The varlen form (:func:`ring_flash_attn_varlen_func`) shards every packed sequence on its own
+in the same way (:func:`zigzag_shard_varlen` / :func:`zigzag_unshard_varlen`); internally it is
+the batched code on a batch of one whose rows are cut into sequences.
+
 Masks (causal, sliding window) are in global positions. Each (query chunk, key chunk) pair is
 cut down to the rows and columns that see at least one key, and the kernel is called on that
 sub-block with the window re-expressed in the kernel's bottom-right alignment (or with no mask
@@ -41,16 +45,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops, reference
-from .flash_attn_interface import flash_attn_func
+from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
-__all__ = ["ring_flash_attn_func", "zigzag_shard", "zigzag_unshard"]
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
+           "zigzag_unshard", "zigzag_shard_varlen", "zigzag_unshard_varlen"]
 
 # Tags keep the K/V and dK/dV messages apart on gloo (NCCL ignores tags; there, both sides
 # issue the messages in the same order, which is what matches them).
 _TAG_KV = 0
 _TAG_DKV = 1
 
-# (global start, local start, length) of one contiguous run of a shard's rows.
+# (start within its sequence, start among the shard's rows, length) of one run of a shard's rows.
 Segment = Tuple[int, int, int]
 
 
@@ -120,12 +125,22 @@ def zigzag_unshard(x: Tensor, dim: int = 1,
     return torch.cat(chunks, dim=dim)
 
 
-def _segments(rank: int, world: int, seqlen_local: int, zigzag: bool) -> List[Segment]:
-    """The runs of global rows that ``rank``'s shard holds."""
-    if not zigzag:
-        return [(rank * seqlen_local, 0, seqlen_local)]
-    half = seqlen_local // 2
-    return [(rank * half, 0, half), ((2 * world - 1 - rank) * half, half, half)]
+def _segments(rank: int, world: int, seqlens_local: List[int],
+              zigzag: bool) -> List[List[Segment]]:
+    """The runs of rows that ``rank``'s shard holds, per sequence (global starts are positions
+    within the sequence). ``seqlens_local``: each sequence's shard length (one entry for the
+    batched layout, whose sequences all have the same length; the varlen layout packs them
+    along the rows)."""
+    out, local = [], 0
+    for n in seqlens_local:
+        if zigzag:
+            half = n // 2
+            out.append([(rank * half, local, half),
+                        ((2 * world - 1 - rank) * half, local + half, half)])
+        else:
+            out.append([(rank * n, local, n)])
+        local += n
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,14 +199,17 @@ def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[
     return _Block(rows, cols, wl == -1 and wr == 0, wl, wr)
 
 
-def _blocks(qsegs: List[Segment], ksegs: List[Segment], left: float,
+def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
             right: float) -> List[_Block]:
+    """The visible sub-blocks between the segments of each sequence (sequences never see each
+    other)."""
     out = []
-    for qs in qsegs:
-        for ks in ksegs:
-            b = _block(qs, ks, left, right)
-            if b is not None:
-                out.append(b)
+    for qseq, kseq in zip(qsegs, ksegs):
+        for qs in qseq:
+            for ks in kseq:
+                b = _block(qs, ks, left, right)
+                if b is not None:
+                    out.append(b)
     return out
 
 
@@ -301,19 +319,20 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tens
     acc_lse[:, :, rows] = new
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, zigzag: bool, scale: float,
-                  left: float, right: float, softcap: float) -> Tuple[Tensor, Tensor]:
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
+                  zigzag: bool, scale: float, left: float, right: float,
+                  softcap: float) -> Tuple[Tensor, Tensor]:
     b, s, h, d = q.shape
     cdt = reference._compute_dtype(q, k, v)
     acc_out = torch.zeros(b, s, h, d, dtype=cdt, device=q.device)
     acc_lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
-    qsegs = _segments(ring.rank, ring.world, s, zigzag)
+    qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
     for step in range(ring.world):
         if step < ring.world - 1:
             reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
-        for blk in _blocks(qsegs, _segments(owner, ring.world, s, zigzag), left, right):
+        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
                                 blk, softcap)
             _merge(acc_out, acc_lse, blk.rows, o, lse)
@@ -327,12 +346,12 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, zigzag: bool, sc
 
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   ring: _Ring, zigzag: bool, scale: float, left: float, right: float,
-                   softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    s = q.shape[1]
+                   ring: _Ring, seqlens: List[int], zigzag: bool, scale: float, left: float,
+                   right: float, softcap: float,
+                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     cdt = reference._compute_dtype(q, k, v, dout)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-    qsegs = _segments(ring.rank, ring.world, s, zigzag)
+    qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
     dkv_reqs: list = []
     dkv_in: Optional[Tensor] = None
@@ -341,7 +360,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
         part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
-        for blk in _blocks(qsegs, _segments(owner, ring.world, s, zigzag), left, right):
+        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic)
@@ -364,12 +383,12 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 class _RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, zigzag: bool, scale: float,
-                left: float, right: float, softcap: float,
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
+                zigzag: bool, scale: float, left: float, right: float, softcap: float,
                 deterministic: bool) -> Tuple[Tensor, Tensor]:
-        out, lse = _ring_forward(q, k, v, ring, zigzag, scale, left, right, softcap)
+        out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (ring, zigzag, scale, left, right, softcap, deterministic)
+        ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -379,7 +398,7 @@ class _RingFlashAttnFunc(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * 7
+        return (dq, dk, dv) + (None,) * 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,11 +406,10 @@ class _RingFlashAttnFunc(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def _local_error(q: Tensor, k: Tensor, v: Tensor, zigzag: bool) -> Optional[str]:
-    """What is wrong with this rank's shards on their own, or None."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
-                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+def _local_error(q: Tensor, k: Tensor, v: Tensor, seqlens: List[int],
+                 zigzag: bool) -> Optional[str]:
+    """What is wrong with this rank's shards on their own, or None. q, k, v are 4-D here (the
+    varlen layout as a batch of one)."""
     if k.shape != v.shape:
         return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
     if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
@@ -404,9 +422,10 @@ def _local_error(q: Tensor, k: Tensor, v: Tensor, zigzag: bool) -> Optional[str]
         return f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}"
-    if zigzag and q.shape[1] % 2 != 0:
-        return (f"with zigzag=True a shard holds two equal chunks, so its length must be even, "
-                f"got {q.shape[1]} (the sequence length must be divisible by 2 * world size)")
+    if zigzag and any(n % 2 for n in seqlens):
+        return (f"with zigzag=True a shard holds two equal chunks of each sequence, so its "
+                f"lengths must be even, got {seqlens} (each sequence length must be divisible "
+                f"by 2 * world size)")
     if q.is_cuda and q.shape[3] % 8 != 0:
         return f"on CUDA the head dim must be a multiple of 8, got {q.shape[3]}"
     return None
@@ -426,29 +445,76 @@ def _backend_error(device: torch.device, backend: str) -> Optional[str]:
     return None
 
 
-def _check_shapes(q: Tensor, k: Tensor, local: Optional[str],
-                  group: Optional[dist.ProcessGroup], world: int, rank: int) -> None:
-    """One all_gather of every rank's shapes (and whether its own checks passed), so that every
-    rank raises the same error instead of some of them waiting forever in the ring."""
+def _check_shapes(fn: str, q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
+                  local: Optional[str], group: Optional[dist.ProcessGroup], world: int,
+                  rank: int) -> None:
+    """One all_gather of every rank's shapes (and whether its own checks passed), and for varlen
+    a second one of cu_seqlens, so that every rank raises the same error instead of some of them
+    waiting forever in the ring."""
     info = [0 if local is None else 1]
     if local is None:
-        info += list(q.shape) + [k.shape[2]]
+        info += list(q.shape) + [k.shape[2], 0 if cu_seqlens is None else cu_seqlens.numel()]
     else:
-        info += [0] * 5
+        info += [0] * 6
     mine = torch.tensor(info, dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     every_l = [t.tolist() for t in every]
     if local is not None:
-        raise ValueError(f"ring_flash_attn_func: {local}")
+        raise ValueError(f"{fn}: {local}")
     bad = [r for r, t in enumerate(every_l) if t[0]]
     if bad:
-        raise ValueError(f"ring_flash_attn_func: rank(s) {bad} of the group rejected their "
-                         f"input (see their error)")
+        raise ValueError(f"{fn}: rank(s) {bad} of the group rejected their input (see their "
+                         f"error)")
     if any(t != every_l[0] for t in every_l):
         shapes = {r: f"q {tuple(t[1:5])}, nheads_k {t[5]}" for r, t in enumerate(every_l)}
-        raise ValueError(f"ring_flash_attn_func: the shards must have the same shapes on every "
-                         f"rank (equal sequence lengths), got {shapes} (this is rank {rank})")
+        raise ValueError(f"{fn}: the shards must have the same shapes on every rank (equal "
+                         f"sequence lengths), got {shapes} (this is rank {rank})")
+    if cu_seqlens is None:
+        return
+    mine = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(t, every[0]) for t in every):
+        raise ValueError(f"{fn}: cu_seqlens must be the same on every rank (each sequence "
+                         f"sharded evenly), got {[t.tolist() for t in every]}")
+
+
+def _unsupported(fn: str, dropout_p: float, alibi_slopes: Optional[Tensor],
+                 return_attn_probs: bool, window_size, softcap: float) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{fn}: alibi_slopes is not implemented under sharding")
+    if return_attn_probs:
+        raise NotImplementedError(f"{fn}: return_attn_probs is not implemented under sharding "
+                                  f"(use return_softmax_lse for the log-sum-exp)")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"{fn}: window_size must be a pair of ints >= -1, got {window_size!r}")
+    if softcap < 0:
+        raise ValueError(f"{fn}: softcap must be >= 0, got {softcap}")
+
+
+def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int],
+                    cu_seqlens: Optional[Tensor], local: Optional[str],
+                    group: Optional[dist.ProcessGroup], world: int, rank: int, causal: bool,
+                    window_size, softcap: float, softmax_scale: Optional[float], zigzag: bool,
+                    deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """The checks that involve the group, then the ring, on 4-D q, k, v."""
+    backend_err = _backend_error(q.device, dist.get_backend(group))
+    if backend_err is not None:
+        # Raised before any communication: the shape check below would itself fail or hang.
+        raise ValueError(f"{fn}: {backend_err}")
+    if local is None:
+        local = _local_error(q, k, v, seqlens, zigzag)
+    _check_shapes(fn, q, k, cu_seqlens, local, group, world, rank)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    left = math.inf if window_size[0] < 0 else window_size[0]
+    right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return _RingFlashAttnFunc.apply(q, k, v, _Ring(group, world, rank), seqlens, zigzag, scale,
+                                    left, right, float(softcap), deterministic)
 
 
 def ring_flash_attn_func(
@@ -501,45 +567,149 @@ def ring_flash_attn_func(
     CPU, NCCL: CUDA).
     """
     fn = "ring_flash_attn_func"
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not implemented under sharding")
-    if return_attn_probs:
-        raise NotImplementedError(f"{fn}: return_attn_probs is not implemented under sharding "
-                                  f"(use return_softmax_lse for the log-sum-exp)")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"{fn}: window_size must be a pair of ints >= -1, got {window_size!r}")
-    if softcap < 0:
-        raise ValueError(f"{fn}: softcap must be >= 0, got {softcap}")
+    _unsupported(fn, dropout_p, alibi_slopes, return_attn_probs, window_size, softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
-        out, lse, _ = _single(q, k, v, causal, window_size, softcap, softmax_scale,
-                              deterministic)
+        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=tuple(window_size), softcap=softcap,
+                                      deterministic=deterministic, return_attn_probs=True)
         return (out, lse) if return_softmax_lse else out
-
-    backend_err = _backend_error(q.device, dist.get_backend(group))
-    if backend_err is not None:
-        # Raised before any communication: the shape check below would itself fail or hang.
-        raise ValueError(f"{fn}: {backend_err}")
-    local = _local_error(q, k, v, zigzag)
-    _check_shapes(q, k, local, group, world, rank)
-
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    left = math.inf if window_size[0] < 0 else window_size[0]
-    right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    ring = _Ring(group, world, rank)
-    out, lse = _RingFlashAttnFunc.apply(q, k, v, ring, zigzag, scale, left, right,
-                                        float(softcap), deterministic)
+    local = None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        local = (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
+                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None, local,
+                               group, world, rank, causal, window_size, softcap, softmax_scale,
+                               zigzag, deterministic)
     return (out, lse) if return_softmax_lse else out
 
 
-def _single(q: Tensor, k: Tensor, v: Tensor, causal: bool, window_size: Tuple[int, int],
-            softcap: float, softmax_scale: Optional[float],
-            deterministic: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """A group of one: the single-device path, with its lse."""
-    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                           window_size=tuple(window_size), softcap=softcap,
-                           deterministic=deterministic, return_attn_probs=True)
+def _varlen_local_error(q: Tensor, k: Tensor, v: Tensor,
+                        cu_seqlens: Tensor) -> Optional[str]:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return (f"q, k, v must be 3-D (total_local, nheads, headdim), got shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1
+            or cu_seqlens.dtype != torch.int32):
+        return "cu_seqlens must be a 1-D int32 tensor (batch + 1,)"
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != q.shape[0]:
+        return (f"cu_seqlens must start at 0, not decrease and end at total_local = "
+                f"{q.shape[0]}, got {cu}")
+    return None
+
+
+def ring_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    group: Optional[dist.ProcessGroup] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    zigzag: bool = True,
+    dropout_p: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_softmax_lse: bool = False,
+):
+    """:func:`ring_flash_attn_func` for sequences packed along the rows: every sequence of the
+    batch is sharded across the group on its own (zigzag or contiguous, as ``zigzag`` says), and
+    each rank packs its shards of all the sequences (:func:`zigzag_shard_varlen`).
+
+    Arguments:
+        q: (total_local, nheads, headdim), this rank's shards of every sequence, packed.
+        k, v: (total_local, nheads_k, headdim), the same rows.
+        cu_seqlens: (batch + 1,) int32, the boundaries of the shards in q, k, v (sequence b's
+            shard is rows ``[cu_seqlens[b], cu_seqlens[b + 1])``), the same on every rank:
+            sequence b is ``N * (cu_seqlens[b + 1] - cu_seqlens[b])`` long.
+        max_seqlen: the longest shard, for the single-device path of a group of one (the ring
+            reads the lengths from cu_seqlens).
+        Other arguments: as in :func:`ring_flash_attn_func`.
+    Return:
+        out: (total_local, nheads, headdim).
+        softmax_lse (only with return_softmax_lse): (nheads, total_local).
+
+    On top of the checks of :func:`ring_flash_attn_func`, cu_seqlens is all-gathered once to
+    check that it is the same on every rank.
+    """
+    fn = "ring_flash_attn_varlen_func"
+    _unsupported(fn, dropout_p, alibi_slopes, return_attn_probs, window_size, softcap)
+    world, rank = _group_size_rank(group)
+    if world == 1:
+        out, lse, _ = flash_attn_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+            softcap=softcap, deterministic=deterministic, return_attn_probs=True)
+        return (out, lse) if return_softmax_lse else out
+    local = _varlen_local_error(q, k, v, cu_seqlens)
+    seqlens: List[int] = []
+    if local is None:
+        cu = cu_seqlens.tolist()
+        seqlens = [b - a for a, b in zip(cu, cu[1:])]
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        cu_check: Optional[Tensor] = cu_seqlens
+    else:
+        cu_check = None
+    out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local, group, world, rank,
+                               causal, window_size, softcap, softmax_scale, zigzag,
+                               deterministic)
+    out, lse = out[0], lse[0]
+    return (out, lse) if return_softmax_lse else out
+
+
+def zigzag_shard_varlen(x: Tensor, cu_seqlens: Tensor,
+                        group: Optional[dist.ProcessGroup] = None) -> Tuple[Tensor, Tensor]:
+    """This rank's zigzag shards of packed sequences (no communication): each sequence is
+    sharded as by :func:`zigzag_shard`, and the shards are packed in the same order.
+
+    Arguments:
+        x: (total, ...), the full packed tensor, the same on every rank.
+        cu_seqlens: (batch + 1,) int32 boundaries of the sequences in x; every sequence's
+            length divisible by 2N.
+        group: the process group.
+    Return:
+        x_local: (total / N, ...); cu_seqlens_local: (batch + 1,) int32, cu_seqlens / N (the
+        same on every rank).
+    """
+    n, _ = _group_size_rank(group)
+    cu = cu_seqlens.tolist()
+    bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * n)]
+    if bad:
+        raise ValueError(f"zigzag_shard_varlen: every sequence length must be divisible by "
+                         f"2 * world size = {2 * n}, got lengths {bad} among {cu}")
+    parts = [zigzag_shard(x[a:b], 0, group) for a, b in zip(cu, cu[1:])]
+    x_local = torch.cat(parts, dim=0) if parts else x[:0]
+    return x_local, torch.div(cu_seqlens, n, rounding_mode="floor").to(torch.int32)
+
+
+def zigzag_unshard_varlen(x: Tensor, cu_seqlens: Tensor,
+                          group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """The packed full sequences from every rank's zigzag shards (an ``all_gather``, not
+    differentiable): the inverse of :func:`zigzag_shard_varlen`.
+
+    Arguments:
+        x: (total_local, ...), this rank's packed shards.
+        cu_seqlens: (batch + 1,) int32, the shards' boundaries in x (the same on every rank).
+        group: the process group.
+    Return:
+        (total_local * N, ...) on every rank.
+    """
+    n, _ = _group_size_rank(group)
+    cu = cu_seqlens.tolist()
+    if n == 1:
+        return x.contiguous()
+    every = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
+    dist.all_gather(every, x.contiguous(), group=group)
+    out = []
+    for a, b in zip(cu, cu[1:]):
+        half = (b - a) // 2
+        chunks: List[Optional[Tensor]] = [None] * (2 * n)
+        for r, p in enumerate(every):
+            chunks[r], chunks[2 * n - 1 - r] = p[a:a + half], p[a + half:b]
+        out += chunks
+    return torch.cat(out, dim=0) if out else x[:0]

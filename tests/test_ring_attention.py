@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flash_attn
-from flash_attn import ring_flash_attn_func, zigzag_shard, zigzag_unshard
+from flash_attn import (ring_flash_attn_func, ring_flash_attn_varlen_func, zigzag_shard,
+                        zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
 from flash_attn.ring_attention import _backend_error
 
 CHUNK = 3  # rows per zigzag chunk: the sequence is 2 * world * CHUNK long
@@ -47,9 +48,18 @@ BF16_CASES = {
     "bf16_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2),
     "bf16_window_contiguous_softcap": (False, False, (4, 1), 3.0, 2, 2),
 }
+# Packed sequences; each sequence's length is 2 * world * (an entry of VARLEN_CHUNKS).
+VARLEN_CHUNKS = (2, 3, 1)
+VARLEN_CASES = {
+    "varlen_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2),
+    "varlen_noncausal_contiguous": (False, False, (-1, -1), 0.0, 2, 2),
+    "varlen_window_zigzag_softcap": (True, False, (3, 1), 2.0, 2, 2),
+    "varlen_window_causal_contiguous": (False, True, (4, -1), 0.0, 2, 1),
+}
 ERROR_CASES = ["unequal_shards", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
-               "not_implemented", "group_of_one"]
-ALL_CASES = list(CASES) + list(BF16_CASES) + ERROR_CASES
+               "not_implemented", "group_of_one", "varlen_unequal_cu_seqlens",
+               "varlen_bad_cu_seqlens", "varlen_group_of_one"]
+ALL_CASES = list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + ERROR_CASES
 
 
 def _check_case(name: str, world: int, rank: int) -> None:
@@ -97,6 +107,52 @@ def _check_case(name: str, world: int, rank: int) -> None:
         assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
 
 
+def _check_varlen_case(name: str, world: int, rank: int) -> None:
+    zigzag, causal, window, softcap, h, hk = VARLEN_CASES[name]
+    lens = [2 * world * c for c in VARLEN_CHUNKS]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    g = torch.Generator().manual_seed(list(VARLEN_CASES).index(name))
+    q, k, v, dout = (torch.randn(total, n, 8, generator=g, dtype=torch.float64)
+                     for n in (h, hk, hk, h))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = flash_attn.flash_attn_varlen_func(qr, kr, vr, cu, cu, max(lens), max(lens),
+                                            causal=causal, window_size=window, softcap=softcap)
+    ref.backward(dout)
+
+    cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
+
+    def shard(x):
+        if zigzag:
+            x_local, cu_l = zigzag_shard_varlen(x, cu)
+            assert torch.equal(cu_l, cu_local)
+            return x_local
+        bounds = cu.tolist()
+        return torch.cat([x[a + rank * (b - a) // world:a + (rank + 1) * (b - a) // world]
+                          for a, b in zip(bounds, bounds[1:])])
+
+    def unshard(x):
+        if zigzag:
+            return zigzag_unshard_varlen(x, cu_local)
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x.contiguous())
+        bounds = cu_local.tolist()
+        return torch.cat([p[a:b] for a, b in zip(bounds, bounds[1:]) for p in every])
+
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out, lse = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world,
+                                           causal=causal, window_size=window, softcap=softcap,
+                                           zigzag=zigzag, return_softmax_lse=True)
+    assert lse.shape == (h, qs.shape[0])
+    out.backward(shard(dout))
+    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
+                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                            ("dv", unshard(vs.grad), vr.grad)):
+        err = (got - want).abs().max().item()
+        scale = max(want.abs().max().item(), 1.0)
+        assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+
+
 def _raises(exc, fn, *words):
     try:
         fn()
@@ -137,6 +193,23 @@ def _check_error(name: str, world: int, rank: int) -> None:
         assert torch.equal(out, ref) and lse.shape == (1, 2, 2 * CHUNK)
         out.sum().backward()
         assert xr.grad is not None
+    elif name == "varlen_unequal_cu_seqlens":
+        y = x[0]  # (2 * CHUNK, 2, 8): two sequences, split differently on rank 0
+        cu = torch.tensor([0, 2, 2 * CHUNK] if rank == 0 else [0, 4, 2 * CHUNK],
+                          dtype=torch.int32)
+        _raises(ValueError, lambda: ring_flash_attn_varlen_func(y, y, y, cu, 4),
+                "cu_seqlens must be the same on every rank")
+    elif name == "varlen_bad_cu_seqlens":
+        y = x[0]
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)  # ends short of total_local (6)
+        _raises(ValueError, lambda: ring_flash_attn_varlen_func(y, y, y, cu, 3), "cu_seqlens")
+    elif name == "varlen_group_of_one":
+        groups = [dist.new_group([r]) for r in range(world)]
+        y = x[0]
+        cu = torch.tensor([0, 2, 2 * CHUNK], dtype=torch.int32)
+        out = ring_flash_attn_varlen_func(y, y, y, cu, 4, group=groups[rank], causal=True)
+        ref = flash_attn.flash_attn_varlen_func(y, y, y, cu, cu, 4, 4, causal=True)
+        assert torch.equal(out, ref)
     else:
         raise KeyError(name)
 
@@ -149,7 +222,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         for name in ALL_CASES:
             try:
-                if name not in ERROR_CASES:
+                if name in VARLEN_CASES:
+                    _check_varlen_case(name, world, rank)
+                elif name not in ERROR_CASES:
                     _check_case(name, world, rank)
                 else:
                     _check_error(name, world, rank)
@@ -188,6 +263,10 @@ def test_not_initialized_is_a_group_of_one():
     ref = flash_attn.flash_attn_func(x, x, x, causal=True, window_size=(2, 0), softcap=1.0)
     assert torch.equal(out, ref)
     assert torch.equal(zigzag_unshard(zigzag_shard(x[:, :4], 1), 1), x[:, :4])
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out = ring_flash_attn_varlen_func(x[0], x[0], x[0], cu, 3, causal=True)
+    assert torch.equal(out, flash_attn.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 3, 3,
+                                                              causal=True))
 
 
 def test_backend_device_rule():
