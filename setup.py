@@ -484,6 +484,17 @@ def read_version() -> str:
     raise BuildConfigError(f"no __version__ = '...' line in {init}")
 
 
+def dist_version(with_extension: bool) -> str:
+    """The package version, plus the local label FLASH_ATTN_LOCAL_VERSION (for example
+    `cu130torch2.11`, what scripts/build_wheel.sh sets) when the CUDA extension is built: the
+    extension links against one torch release's C++ ABI, so a wheel that carries it names the
+    torch and CUDA it fits. A wheel without it (CPU-only torch) is pure Python and unlabelled."""
+    label = os.environ.get("FLASH_ATTN_LOCAL_VERSION", "").strip()
+    if label and not re.fullmatch(r"[A-Za-z0-9]+(\.[A-Za-z0-9]+)*", label):
+        raise BuildConfigError(f"FLASH_ATTN_LOCAL_VERSION={label!r} is not a local version label")
+    return read_version() + (f"+{label}" if label and with_extension else "")
+
+
 def main():
     ext_modules, cmdclass = [], {}
     try:
@@ -509,6 +520,7 @@ def main():
                 cmdclass = {"build_ext": make_build_ext_class(cfg)}
         if not decision[0]:
             skip_notice(decision[1])
+        version = dist_version(bool(ext_modules))
     except BuildConfigError as e:
         log(f"ERROR: {e}")
         sys.exit(1)
@@ -516,7 +528,7 @@ def main():
     readme = ROOT / "README.md"
     setup(
         name="flash_attn",
-        version=read_version(),
+        version=version,
         description=("Exact, memory-efficient attention (FlashAttention-2 API) with SM80 and "
                      "SM90 CUDA kernels and a PyTorch reference path"),
         long_description=readme.read_text() if readme.is_file() else "",

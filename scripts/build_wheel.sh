@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds a wheel of flash_attn for the torch installed in this Python, into dist/ (or $1):
+#   bash scripts/build_wheel.sh [OUTDIR]
+# With a CUDA torch and nvcc the wheel carries the extension flash_attn._C (every flag of
+# README.md "Build flags" applies, e.g. FLASH_ATTN_CUDA_ARCHS, MAX_JOBS) and is named for the
+# torch and CUDA it was built against (local version +cuXYZtorchA.B, platform tag), since the
+# extension links against that torch release's C++ ABI. With a CPU-only torch it is a pure
+# Python wheel (py3-none-any). Afterwards the script lists the extension's undefined dynamic
+# symbols from torch's C++ libraries (at::, c10::, torch::), the reason the wheel is tied to
+# one torch release.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${1:-dist}"
+PY="${PYTHON:-python3}"
+label=$("$PY" -c "
+import torch
+cu = torch.version.cuda
+major_minor = '.'.join(torch.__version__.split('+')[0].split('.')[:2])
+print('cu' + cu.replace('.', '') + 'torch' + major_minor if cu else '')
+")
+mkdir -p "$out"
+FLASH_ATTN_LOCAL_VERSION="$label" "$PY" -m pip wheel --no-build-isolation --no-deps -w "$out" .
+wheel=$(ls -t "$out"/flash_attn-*.whl | head -1)
+echo "wheel: $wheel"
+so=$("$PY" -c 'import sys, zipfile
+names = [n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.startswith("flash_attn/_C")]
+print(names[0] if names else "")' "$wheel")
+if [ -z "$so" ]; then
+  echo "no CUDA extension in the wheel (pure Python: the CPU reference path only)"
+  exit 0
+fi
+tmp=$(mktemp -d)
+"$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$wheel" "$so" "$tmp"
+n=$(nm -D --undefined-only "$tmp/$so" | c++filt | grep -cE ' (at|c10|torch)::' || true)
+echo "undefined torch C++ symbols in $so: $n (0 would mean the stable C ABI: one wheel per CUDA major)"
+rm -rf "$tmp"
