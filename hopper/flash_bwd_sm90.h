@@ -13,7 +13,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include <algorithm>
 #include <atomic>
 #include <cute/tensor.hpp>
 

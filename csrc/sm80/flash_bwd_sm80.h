@@ -50,6 +50,49 @@ struct Sm80Bwd {
     static_assert(kWarps == 8 && kBlockM % 64 == 0 && kBlockN % 64 == 0);
 };
 
+// Calls fn(seq, bidb, bidh, row, lane) once per query row of this CTA, a warp per row.
+template <class Fn>
+__forceinline__ __device__ void for_each_row(const BwdParams& p, Fn&& fn) {
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int row_blocks = (p.seqlen_q + kRowKernelRows - 1) / kRowKernelRows;
+    const int row_block = int(blockIdx.x % row_blocks);
+    const int bidh = int(blockIdx.x / row_blocks) % p.nheads;
+    const int bidb = int(blockIdx.x / row_blocks) / p.nheads;
+    const SeqInfo seq(p, bidb);
+    const int row_end = min(seq.seqlen_q, (row_block + 1) * kRowKernelRows);
+    for (int row = row_block * kRowKernelRows + warp; row < row_end; row += blockDim.x / 32) {
+        fn(seq, bidb, bidh, row, lane);
+    }
+}
+
+// softmax_d[row] = rowsum(dO * O) in lse's layout (the SM80 backward's first launch).
+template <class T, int kHeadDim>
+__global__ void flash_bwd_row_dot_kernel(const __grid_constant__ BwdParams p) {
+    for_each_row(p, [&](const SeqInfo& seq, int bidb, int bidh, int row, int lane) {
+        const float d = row_dot<T>(p, seq, bidb, bidh, row, lane);
+        if (lane == 0) p.softmax_d[seq.lse_offset(p, bidb, bidh) + row] = d;
+    });
+}
+
+// dq[row, c] = softmax_scale * dq_accum[row, c]; 8 columns per lane.
+template <class T, int kHeadDim>
+__global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
+    for_each_row(p, [&](const SeqInfo& seq, int bidb, int bidh, int row, int lane) {
+        const float* acc = p.dq_accum + (seq.lse_offset(p, bidb, bidh) + row) * kHeadDim;
+        T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, row, bidh);
+        for (int c = lane * 8; c < p.headdim; c += 32 * 8) {
+            const float4 a = *reinterpret_cast<const float4*>(acc + c);
+            const float4 b = *reinterpret_cast<const float4*>(acc + c + 4);
+            T out[8] = {T(a.x * p.softmax_scale), T(a.y * p.softmax_scale),
+                        T(a.z * p.softmax_scale), T(a.w * p.softmax_scale),
+                        T(b.x * p.softmax_scale), T(b.y * p.softmax_scale),
+                        T(b.z * p.softmax_scale), T(b.w * p.softmax_scale)};
+            *reinterpret_cast<uint4*>(dq + c) = *reinterpret_cast<const uint4*>(out);
+        }
+    });
+}
+
 // kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers
 // (a run-time flag cost them 2-6%).
 template <class T, int kHeadDim, bool kAlibi>
