@@ -468,13 +468,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
     const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim);
-    if (deterministic && entry.arch != 90) {
-        raise_not_implemented(
-            "flash_attn: deterministic=True backward is implemented by the SM90 kernels only "
-            "(head dims <= 64 and 128 on compute capability 9.0); the SM80 backward accumulates "
-            "dq with atomics, so results can differ in the last bits between runs; pass "
-            "deterministic=False");
-    }
     check_grid(pb);
 
     // Rows outside every varlen sequence get no kernel writes: start them at zero.
@@ -509,7 +502,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
 
     // The SM80 kernels' scratch: dq_accum follows lse's row order, a row of `tier` floats each
     // (a query tile's rows are contiguous, so the kernel addresses them from one pointer with
-    // constant offsets). The SM90 kernels take theirs from the workspace.
+    // constant offsets). The SM90 kernels take theirs, and both their turn counters, from the
+    // workspace.
     at::Tensor dq_accum, softmax_d;
     if (entry.arch == 80) {
         std::vector<int64_t> dq_accum_shape = lse.sizes().vec();

@@ -88,8 +88,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("paged KV (block_table)",
          "SM90 where a page holds whole key blocks, else SM80", "SM80"),
         ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),
-        ("deterministic=True backward",
-         sm90(bwd90, "'s " + unsupported) if bwd90 else unsupported, unsupported),
+        ("deterministic=True backward", sm90(bwd90, ""), "SM80"),
         ("dropout_p > 0", unsupported, unsupported),
     ]
 

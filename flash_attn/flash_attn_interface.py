@@ -15,8 +15,7 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0`` raises ``NotImplementedError``, as does ``deterministic=True`` in a CUDA
-  backward that runs the SM80 kernels.
+* ``dropout_p > 0`` raises ``NotImplementedError``.
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
   FlashAttention-2's arguments) is implemented by the CPU reference, forward and backward; the
   CUDA kernels do not implement it yet, and a CUDA call with one raises
@@ -162,9 +161,8 @@ _COMMON_ARGS_DOC = """
             implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
         deterministic: bool. Whether to use the deterministic implementation of the backward
             pass: dq's partial sums are added in a fixed order, so repeated runs give bitwise
-            equal gradients. On CUDA the SM90 backward implements it (compute capability 9.0,
-            head dims <= 64 and 128); where the SM80 backward runs, True raises
-            NotImplementedError in the backward. The CPU reference is always deterministic.
+            equal gradients. Both CUDA kernel families implement it (the key tiles add their
+            parts of dq one at a time); the CPU reference is always deterministic.
         return_attn_probs: bool. Whether to return the attention probabilities. This option
             is for testing only: the probabilities are recomputed in PyTorch (see below)."""
 _COMMON_ARGS_DOC_SINK = _COMMON_ARGS_DOC + _SINK_ARGS_DOC

@@ -189,11 +189,7 @@ struct Sm90BwdArgs {
     typename Traits::TmaK tma_k;
     typename Traits::TmaK tma_v;
     Sm90BwdRows rows;
-    // deterministic: per (batch, head, query tile), how many key tiles have added their dQ;
-    // key tile n adds its part once the count equals its rank among the tiles that see the
-    // query tile. nullptr: tiles add in whatever order they finish.
-    int* dq_turns;
-    int m_blocks;  // query tiles per (batch, head): the turn counters' stride
+    int m_blocks;  // query tiles per (batch, head): the stride of p.dq_turns
     // Extents of the TMA views: varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch;
 };

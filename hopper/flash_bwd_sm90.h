@@ -112,9 +112,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     extern __shared__ __align__(1024) char smem[];
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-    // Key tiles first, so that a causal grid starts with the tiles most query rows see.
+    // Key tiles first, so that a causal grid starts with the tiles most query rows see (in
+    // deterministic mode the highest first: key_tile_of_launch).
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    const int n_block = int(blockIdx.x % n_blocks);
+    const int n_block = key_tile_of_launch(int(blockIdx.x % n_blocks), n_blocks, p.deterministic);
     const int bidh = int(blockIdx.x / n_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / n_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);
@@ -176,7 +177,7 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     const int64_t turns = p.deterministic ? int64_t(m_blocks) * p.nheads * p.batch : 0;
     float* ws = static_cast<float*>(p.workspace.allocate(
         p.workspace.context, ((2 + kD) * entries + turns) * int64_t(sizeof(float))));
-    int* dq_turns = p.deterministic ? reinterpret_cast<int*>(ws) : nullptr;
+    p.dq_turns = p.deterministic ? reinterpret_cast<int*>(ws) : nullptr;
     rows.dq_accum = ws + turns;
     rows.lse_log2 = rows.dq_accum + kD * entries;
     rows.dsum = rows.lse_log2 + entries;
@@ -208,7 +209,6 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
                                    tma_k(p.k, p.k_stride),
                                    tma_k(p.v, p.v_stride),
                                    rows,
-                                   dq_turns,
                                    m_blocks,
                                    rows_q,
                                    rows_k,

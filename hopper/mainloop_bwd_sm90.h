@@ -13,6 +13,7 @@
 #include <cute/tensor.hpp>
 
 #include "bwd_traits_sm90.h"
+#include "common/dq_turns.h"
 #include "common/fragment.h"
 #include "common/score.h"
 #include "common/seq_info.h"
@@ -278,24 +279,6 @@ struct Sm90BwdMainloop {
     static constexpr int kDqSyncThreads = Traits::kConsumerThreads + 32;
     static constexpr uint32_t kDqTileBytes = kBlockM * D::value * sizeof(float);
 
-    // deterministic: the first key tile that sees query tile m. The key tiles that see it are
-    // those from this one to the last, contiguous, since both ends of a key tile's query range
-    // (BandMask::query_block_range) grow with the tile: the first n whose range ends past m.
-    static __device__ int first_key_tile(BandMask const& mask, int m, int n_block) {
-        int lo = 0, hi = n_block;
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            int first, last;
-            mask.query_block_range(mid * kBlockN, kBlockN, kBlockM, first, last);
-            if (last > m) {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        return lo;
-    }
-
     // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
     // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
     // engine has read it.
@@ -305,26 +288,22 @@ struct Sm90BwdMainloop {
         const int64_t rows0 = a.rows.template offset<kBlockM>(a.p, seq.row_q, bidb, bidh);
         const BandMask mask = seq.mask(a.p);
         const int n_block = g.n0 / kBlockN;
-        int* turns = a.dq_turns == nullptr
-                         ? nullptr
-                         : a.dq_turns + (int64_t(bidb) * a.p.nheads + bidh) * a.m_blocks;
+        const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+        const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
         barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);  // the buffer starts free
         for (int m = g.m_first; m < g.m_last; ++m) {
-            const int rank = turns == nullptr ? 0 : n_block - first_key_tile(mask, m, n_block);
+            const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
             barrier_sync(BwdBarrier::kDqFull, kDqSyncThreads);
             if (issuer) {
-                if (turns != nullptr) {
-                    while (ld_acquire_gpu(turns + m) != rank) {
-                    }
-                }
+                if (turns.enabled()) turns.wait(m, rank);
                 bulk_reduce_add(a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value,
                                 ss.dq, kDqTileBytes);
                 tma_store_arrive();
-                if (turns != nullptr) {
+                if (turns.enabled()) {
                     // The next key tile's addition must find this one's done.
                     bulk_wait_done();
                     fence_acq_rel_gpu();
-                    st_release_gpu(turns + m, rank + 1);
+                    turns.pass(m, rank);
                 } else {
                     bulk_wait_read<0>();
                 }

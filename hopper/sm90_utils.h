@@ -7,6 +7,8 @@
 #include <cute/tensor.hpp>
 #include <type_traits>
 
+#include "common/memory_order.h"
+
 namespace flash {
 
 using namespace cute;
@@ -55,12 +57,6 @@ __forceinline__ __device__ void barrier_arrive(Barrier id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(int(id)), "r"(threads) : "memory");
 }
 
-// Orders this thread's memory accesses (and, after a barrier, its CTA's) with those of other
-// SMs: a release before a count others read, an acquire after reading theirs.
-__forceinline__ __device__ void fence_acq_rel_gpu() {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-
 // gmem[0, bytes) += smem[0, bytes) in fp32, one bulk reduction issued by the calling thread (the
 // copy engine reads shared memory and adds in L2). Grouped and waited for like TMA stores:
 // cute::tma_store_arrive() commits, bulk_wait_read<N>() waits until at most N groups may still
@@ -78,17 +74,6 @@ __forceinline__ __device__ void bulk_wait_read() {
 
 __forceinline__ __device__ void bulk_wait_done() {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-// A flag between CTAs: load with acquire, store with release (gpu scope).
-__forceinline__ __device__ int ld_acquire_gpu(int const* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__forceinline__ __device__ void st_release_gpu(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // barrier_sync that also returns whether `pred` held for any of the threads.

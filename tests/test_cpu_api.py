@@ -671,6 +671,7 @@ def test_main_lists_features_by_code_path():
     lines = {line.split("  ")[1].strip(): line for line in text.splitlines()
              if line.startswith("  ") and "  " in line.strip()}
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["backward (alibi_slopes too)"]
-    assert "NotImplementedError" in lines["deterministic=True backward"]
+    assert "NotImplementedError" not in lines["deterministic=True backward"]
+    assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["deterministic=True backward"]
     assert "SM80 (the SM90 forward takes no bias)" in lines["forward with alibi_slopes"]
     assert lines["dropout_p > 0"].count("NotImplementedError") == 2

@@ -536,22 +536,22 @@ def _deterministic_cases():
     cases = [Case("bf16", d, s, s, c) for d in (64, 128) for s in (1000, 2048)
              for c in (False, True)]
     cases += [Case("bf16", 128, 203, 1000, window=(64, 32)), Case("fp16", 32, 1000, 113, True),
-              Case("bf16", 64, 1000, 1000, softcap=30.0, scale=1.0)]
+              Case("bf16", 64, 1000, 1000, softcap=30.0, scale=1.0),
+              # Many key tiles per query tile, queries fewer than keys (causal aligned
+              # bottom-right), a window over many tiles, and tiers the SM80 backward runs.
+              Case("bf16", 128, 1500, 4099, True), Case("bf16", 64, 3000, 3000, window=(700, 0)),
+              Case("bf16", 96, 1000, 1000, True), Case("bf16", 256, 777, 1500, True)]
     return cases
 
 
 @pytest.mark.parametrize("case", params(_deterministic_cases()))
 def test_deterministic_backward(case: Case, kernel_path: str):
-    """deterministic=True: 10 backward runs give bitwise equal dq, dk, dv (the SM90 kernels add
-    dq's partial sums in key-tile order), and the gradients pass the accuracy rule. On the SM80
-    path it raises NotImplementedError instead."""
+    """deterministic=True, on both kernel paths: 10 backward runs give bitwise equal dq, dk, dv
+    (the key tiles add dq's partial sums one at a time, highest first), and the gradients pass
+    the accuracy rule."""
     torch.manual_seed(11)
     kwargs = dict(case.api_kwargs(), deterministic=True)
     q, k, v = make_qkv(case, h=4, hk=2 if case.d == 128 else 4)
-    if kernel_path == "sm80":
-        with pytest.raises(NotImplementedError, match="deterministic"):
-            flash_attn_func(q, k, v, **kwargs).sum().backward()
-        return
     check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, **kwargs), [q, k, v], plain_qkv,
                   case.ref_kwargs())
     out = flash_attn_func(q, k, v, **kwargs)

@@ -112,9 +112,12 @@ struct BwdParams : AttnShape {
     float* softmax_d = nullptr;  // rowsum(dO * O), same layout as lse (SM80)
     TensorStrides q_stride, k_stride, v_stride, o_stride, do_stride, dq_stride, dk_stride,
         dv_stride;
-    WorkspaceAllocator workspace;  // SM90: the padded per-row LSE and rowsum buffers
-    // dQ's partial sums added in a fixed order, so that repeated runs are bitwise equal (SM90).
+    WorkspaceAllocator workspace;  // SM90: the padded row buffers; both: dq_turns
+    // dQ's partial sums added in a fixed order, so that repeated runs are bitwise equal.
     bool deterministic = false;
+    // deterministic: per (batch, head, query tile), how many key tiles have added their dQ
+    // (common/dq_turns.h); zeroed scratch set by each arch's launcher. nullptr otherwise.
+    int* dq_turns = nullptr;
 };
 
 }  // namespace flash

@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/bwd_rows.h"
+#include "common/dq_turns.h"
 #include "common/params.h"
 #include "common/seq_info.h"
 #include "sm80_traits.h"
@@ -93,9 +94,11 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     });
 }
 
-// kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers
-// (a run-time flag cost them 2-6%).
-template <class T, int kHeadDim, bool kAlibi>
+// kExtras: ALiBi and deterministic=True, in an instantiation of their own (which also runs
+// without ALiBi: its bias is then 0), so the plain kernel keeps its code and registers (a
+// run-time ALiBi flag cost it 2-6%; the deterministic turns raised its spills from 32 to 132
+// bytes at d=128).
+template <class T, int kHeadDim, bool kExtras>
 __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     flash_bwd_sm80_kernel(const __grid_constant__ BwdParams p) {
     using K = Sm80Bwd<T, kHeadDim>;
@@ -107,9 +110,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x;
-    // Flat grid; low key tiles see the most causal rows, so they launch first.
+    // Flat grid; low key tiles see the most causal rows, so they launch first (in deterministic
+    // mode the highest first: key_tile_of_launch).
     const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    const int n_block = int(blockIdx.x % num_n_blocks);
+    const int n_block = key_tile_of_launch(int(blockIdx.x % num_n_blocks), num_n_blocks,
+                                           kExtras && p.deterministic);
     const int bidh = int(blockIdx.x / num_n_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / num_n_blocks) / p.nheads;
     const int bidh_k = bidh / (p.nheads / p.nheads_k);
@@ -118,6 +123,10 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     const int col0 = n_block * kBlockN;
     if (col0 >= seq.seqlen_k) return;
     const BandMask mask = seq.mask(p);
+    const DqTurns<kBlockM, kBlockN> turns(kExtras ? p.dq_turns : nullptr,
+                                          (p.seqlen_q + kBlockM - 1) / kBlockM, p.nheads, bidb,
+                                          bidh);
+    const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
     int m_first, m_last;
     mask.query_block_range(col0, kBlockN, kBlockM, m_first, m_last);
     const int cols_left = seq.seqlen_k - col0;
@@ -229,6 +238,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
         const int rows_left = seq.seqlen_q - row0;
+        // deterministic: this tile's turn among those adding to query tile m's dQ. Found here,
+        // where fewer registers are live than at the addition.
+        const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
 
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
@@ -263,7 +275,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
             apply_mask(s_rc, cS_rc, mask, row0, col0);
         }
-        if constexpr (kAlibi) bias = seq.alibi(p, bidb, bidh);
+        if constexpr (kExtras) {
+            if (p.alibi_slopes != nullptr) bias = seq.alibi(p, bidb, bidh);
+        }
         // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap (t
         // without ALiBi's bias, a constant of the score).
         CUTE_UNROLL
@@ -272,7 +286,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             for (int c = 0; c < size<1>(s_rc); ++c) {
                 const float t = s_rc(r, c);
                 float x = t;
-                if constexpr (kAlibi) {
+                if constexpr (kExtras) {
                     x += bias(row0 + get<0>(cS_rc(r, c)), col0 + get<1>(cS_rc(r, c)));
                 }
                 const float prob = exp2f(x * p.scale_log2 - lse_log2[r]);
@@ -317,8 +331,18 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         Tensor gdQacc = make_tensor(make_gmem_ptr(dq_acc_ptr + index_t(row0) * kHeadDim),
                                     Shape<BM, D>{}, Stride<D, _1>{});
         Tensor tdQg = thr_q.partition_C(gdQacc);
+        // deterministic: one key tile at a time adds to the tile, each address once per tile.
+        if (turns.enabled()) {
+            if (tid == 0) turns.wait(m, rank);
+            __syncthreads();
+        }
         atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
                             rows_left >= kBlockM && p.headdim == kHeadDim);
+        if (turns.enabled()) {
+            fence_acq_rel_gpu();
+            __syncthreads();
+            if (tid == 0) turns.pass(m, rank);
+        }
     };
 
     for (int m = m_first; m < m_last; ++m) {
@@ -360,10 +384,18 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
                   p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
-    auto kernel = p.alibi_slopes != nullptr ? flash_bwd_sm80_kernel<T, kHeadDim, true>
-                                            : flash_bwd_sm80_kernel<T, kHeadDim, false>;
+    auto kernel = p.alibi_slopes != nullptr || p.deterministic
+                      ? flash_bwd_sm80_kernel<T, kHeadDim, true>
+                      : flash_bwd_sm80_kernel<T, kHeadDim, false>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
+    }
+    if (p.deterministic) {
+        const int64_t turns =
+            int64_t((p.seqlen_q + K::kBlockM - 1) / K::kBlockM) * p.nheads * p.batch;
+        p.dq_turns = static_cast<int*>(
+            p.workspace.allocate(p.workspace.context, turns * int64_t(sizeof(int))));
+        cudaMemsetAsync(p.dq_turns, 0, turns * sizeof(int), stream);
     }
     dim3 grid(unsigned((p.seqlen_k + K::kBlockN - 1) / K::kBlockN) * p.batch * p.nheads);
     kernel<<<grid, K::kThreads, K::kSmemBytes, stream>>>(p);

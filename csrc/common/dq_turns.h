@@ -1,0 +1,61 @@
+// deterministic=True backward, both archs: the key tiles that see a query tile add their dQ
+// partial sums to its fp32 accumulator one at a time, highest key tile first, so that the sum's
+// rounding is the same in every run. A counter per (batch, head, query tile) says how many have
+// added; a key tile waits until it equals the tile's rank.
+#pragma once
+
+#include "mask.h"
+#include "memory_order.h"
+
+namespace flash {
+
+template <int kBlockM, int kBlockN>
+struct DqTurns {
+    int* counts = nullptr;  // this (batch, head)'s counters, one per query tile; nullptr: any order
+
+    __device__ DqTurns(int* all, int m_blocks, int nheads, int bidb, int bidh)
+        : counts(all == nullptr ? nullptr : all + (int64_t(bidb) * nheads + bidh) * m_blocks) {}
+
+    __device__ bool enabled() const { return counts != nullptr; }
+
+    // The key tiles that see query tile m are contiguous (both ends of a key tile's query range,
+    // BandMask::query_block_range, grow with the tile). Key tile n's rank is the number of them
+    // above n. Highest first: a causal key tile's first query tiles are those it starts (rank
+    // 0), and each later one waits only for the tiles above it, a step ahead of it; in
+    // ascending order a tile would wait at its first query tiles for every tile below it.
+    // n_end: the sequence's key tiles.
+    static __device__ int rank(BandMask const& mask, int m, int n_block, int n_end) {
+        int lo = n_block, hi = n_end - 1;  // n_block sees m: find the last tile that does
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            int first, last;
+            mask.query_block_range(mid * kBlockN, kBlockN, kBlockM, first, last);
+            if (first <= m && m < last) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        return lo - n_block;
+    }
+
+    // Called by one thread: returns once the tiles ranked before `rank` have added to tile m.
+    __device__ void wait(int m, int rank) const {
+        while (ld_acquire_gpu(counts + m) != rank) {
+        }
+    }
+
+    // Called by one thread after its CTA's additions to tile m are complete and, for other
+    // threads' additions, fenced and past a barrier.
+    __device__ void pass(int m, int rank) const { st_release_gpu(counts + m, rank + 1); }
+};
+
+// Deterministic grids launch a (batch, head)'s key tiles from the highest down: a tile waits
+// only for tiles launched before it, which hold an SM or are done, so none waits for a tile
+// that cannot start.
+__forceinline__ __device__ int key_tile_of_launch(int launch_index, int n_blocks,
+                                                  bool deterministic) {
+    return deterministic ? n_blocks - 1 - launch_index : launch_index;
+}
+
+}  // namespace flash
