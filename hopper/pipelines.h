@@ -49,8 +49,11 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
         }
     }
 
-    // Called by every lane of a consumer warp once the warp is done with the stage.
+    // Called by every lane of a consumer warp once the warp is done with the stage. The
+    // __syncwarp orders every lane's reads of the stage (the backward reads its row values with
+    // plain loads) before the elected lane's arrival, after which the producer overwrites it.
     CUTLASS_DEVICE void consumer_release(PipelineState const& state) {
+        __syncwarp();
         if (cute::elect_one_sync()) {
             if constexpr (kClusterM == 1) {
                 empty_[state.index()].arrive();

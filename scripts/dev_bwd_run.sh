@@ -13,8 +13,11 @@ if [ "${FA3:-1}" = 1 ] && ! ls .fa3/_C*.so > /dev/null 2>&1; then
 fi
 # transformers finds the package by its distribution metadata: install that (no build).
 FLASH_ATTN_SKIP_CUDA_BUILD=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
-FLASH_ATTN_TEST_PATHS=${PATHS:-sm90} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest ${TESTS:-tests/test_flash_attn_gpu.py tests/test_varlen_gpu.py} -q --maxfail=20 -rf -k "${TEST_K:-fwd_bwd or gqa or alibi or bwd}" > "$OUT/tests.log" 2>&1
-grep -E "passed|failed|error" "$OUT/tests.log" | tail -30
+# -v: each result is in the log as it happens, so a run cut short by its timeout still names
+# its failures.
+FLASH_ATTN_TEST_PATHS=${PATHS:-sm90} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest ${TESTS:-tests/test_flash_attn_gpu.py tests/test_varlen_gpu.py} -v --maxfail=20 -rf -p no:cacheprovider -k "${TEST_K:-fwd_bwd or gqa or alibi or bwd}" > "$OUT/tests.log" 2>&1
+echo "tests: $(grep -c " PASSED" "$OUT/tests.log") passed, $(grep -c " SKIPPED" "$OUT/tests.log") skipped"
+grep -E " FAILED| ERROR|^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | tail -30
 wait
 [ -n "${SANITIZE:-}" ] && for hd in $SANITIZE; do HEADDIM=$hd DTYPE=bf16 timeout 150 bash scripts/sanitize.sh > "$OUT/sanitize_$hd.log" 2>&1; echo "sanitize d=$hd rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize_$hd.log"; done
 lib=$(ls .fa3/_C*.so build/peers/fa3/hopper/flash_attn_3/_C*.so 2>/dev/null | head -1)
