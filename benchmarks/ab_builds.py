@@ -63,11 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
     p.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="fwd")
+    p.add_argument("--deterministic", action="store_true", help="bwd: deterministic=True")
     return p.parse_args(argv)
 
 
 def make_call(ext: ModuleType, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool) -> Callable[[], object]:
+              causal: bool, deterministic: bool = False) -> Callable[[], object]:
     """The timed call: the forward binding, or the backward binding on this build's own
     forward output. q, k, v: (batch, seqlen, nheads, headdim)."""
     s, d = q.shape[1], q.shape[-1]
@@ -82,7 +83,7 @@ def make_call(ext: ModuleType, which: str, q: torch.Tensor, k: torch.Tensor, v: 
 
     def bwd() -> list[torch.Tensor]:
         return ext.bwd(dout, q, k, v, out, lse, None, None, None, None, None, s, s, d ** -0.5,
-                       causal, -1, -1, 0.0, False)
+                       causal, -1, -1, 0.0, deterministic)
 
     return bwd
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
                 if args.which == "bwd":
                     flops *= 2.5
-                calls = {n: make_call(ext, args.which, q, k, v, causal)
+                calls = {n: make_call(ext, args.which, q, k, v, causal, args.deterministic)
                          for n, ext in builds.items()}
                 tflops: dict[str, list[float]] = {n: [] for n in names}
                 for _ in range(args.rounds):

@@ -101,20 +101,24 @@ struct Sm90BwdMainloop {
         const int64_t rows0 = a.rows.template offset<kBlockM>(p, seq.row_q, bidb, bidh);
         for (int m = g.m_first; m < g.m_last; ++m) {
             const int64_t rows = rows0 + int64_t(m) * kBlockM;
-            q_pipe.producer_acquire(q_state);
+            // The consumers read the row values with plain loads: copies first, then the arrival
+            // (OperandPipeline::producer_arm).
+            q_pipe.producer_wait_empty(q_state);
             if (issuer) {
-                auto* bar = q_pipe.producer_get_barrier(q_state);
+                uint64_t* bar = q_pipe.full_barrier(q_state);
                 copy(a.tma_q.with(*bar), get<0>(tq)(_, m), get<1>(tq)(_, q_state.index()));
                 SM90_BULK_COPY_G2S::copy(a.rows.lse_log2 + rows, bar,
                                          ss.lse + q_state.index() * kBlockM, Traits::kRowBytes);
+                q_pipe.producer_arm(q_state, Traits::kQBytes);
             }
             ++q_state;
-            do_pipe.producer_acquire(do_state);
+            do_pipe.producer_wait_empty(do_state);
             if (issuer) {
-                auto* bar = do_pipe.producer_get_barrier(do_state);
+                uint64_t* bar = do_pipe.full_barrier(do_state);
                 copy(a.tma_do.with(*bar), get<0>(tdo)(_, m), get<1>(tdo)(_, do_state.index()));
                 SM90_BULK_COPY_G2S::copy(a.rows.dsum + rows, bar,
                                          ss.dsum + do_state.index() * kBlockM, Traits::kRowBytes);
+                do_pipe.producer_arm(do_state, Traits::kQBytes);
             }
             ++do_state;
         }

@@ -39,7 +39,8 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     CUTLASS_DEVICE OperandPipeline(SharedStorage& storage, Params const& params, int consumer_warps)
         : Base(storage, params, cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>{},
                cute::false_type{}, cute::false_type{}),
-          empty_(&storage.empty_barrier_[0]) {
+          empty_(&storage.empty_barrier_[0]),
+          full_(&storage.full_barrier_[0]) {
         if (threadIdx.x == 0) {
             CUTE_UNROLL
             for (int s = 0; s < kStages; ++s) {
@@ -64,8 +65,25 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
         }
     }
 
+    // The producer's acquire in two halves, for stages that consumers read with plain loads:
+    // wait until the consumers released the stage, issue its copies, then arm its full barrier
+    // with their bytes (called by the issuing thread). The transaction count may go below zero
+    // in between, and the phase completes only with the arrival. Issued before the arrival that
+    // publishes them, the copies are ordered before the consumers' reads in terms that
+    // compute-sanitizer's racecheck follows (it flags copies issued after the arrival).
+    CUTLASS_DEVICE void producer_wait_empty(PipelineState const& state) {
+        empty_[state.index()].wait(state.phase());
+    }
+    CUTLASS_DEVICE void producer_arm(PipelineState const& state, uint32_t bytes) {
+        full_[state.index()].arrive_and_expect_tx(bytes);
+    }
+    CUTLASS_DEVICE uint64_t* full_barrier(PipelineState const& state) {
+        return reinterpret_cast<uint64_t*>(&full_[state.index()]);
+    }
+
   private:
     typename Base::EmptyBarrier* empty_;
+    typename Base::FullBarrier* full_;
 };
 
 // A pipeline's params for this thread: the producer warp group produces, thread 0 arms the
