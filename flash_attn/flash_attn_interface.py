@@ -17,9 +17,9 @@ Notes common to all functions:
   of the original head dim. Gradients flow back through the padding and the slicing.
 * ``dropout_p > 0`` raises ``NotImplementedError``.
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
-  FlashAttention-2's arguments) is implemented by the CPU reference, forward and backward; the
-  CUDA kernels do not implement it yet, and a CUDA call with one raises
-  ``NotImplementedError``.
+  FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
+  has it in its softmax; on CUDA the forward kernel's output and LSE are corrected for it
+  afterwards (an elementwise pass), and the backward kernels need nothing more.
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ _SINK_ARGS_DOC = """
             key j is exp(S_ij) / (sum_l exp(S_il) + exp(s_aux[h])) over the kept keys l, with
             S the scaled, softcapped, biased scores. softmax_lse includes it; -inf means no
             sink. The output is differentiable in it (its gradient reaches the tensor
-            given). Implemented by the CPU reference (forward and backward); the CUDA kernels
-            do not implement it yet: a CUDA call with a sink raises NotImplementedError.
+            given). On CUDA the kernels' result is corrected for it afterwards (one more pass
+            over the output); the CPU reference has it in its softmax.
         learnable_sink [optional]: (nheads,). Another name for s_aux (the name of
             FlashAttention-4; s_aux is vLLM's FlashAttention-3's); passing both raises
             ValueError."""
@@ -541,8 +541,6 @@ def flash_attn_with_kvcache(
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, s_aux, learnable_sink,
     )
     a = c.attn
-    if a.sink is not None and a.device_type == "cuda":
-        ops.reject_cuda_sink()  # before the cache update: a call that cannot run writes nothing
     first = c.cache_seqlens
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()

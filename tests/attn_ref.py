@@ -60,9 +60,11 @@ def keep_mask_ref(seqlen_q: int, seqlen_k: int, causal: bool, window_size, devic
     return keep
 
 
-def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype, alibi=None):
+def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype, alibi=None,
+                     sink=None):
     """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq); alibi: ALiBi
-    slopes (h,) or (b, h), or None."""
+    slopes (h,) or (b, h), or None; sink: a learnable sink's logits (h,) (one more softmax
+    column per row, without a value), or None."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     assert h % hk == 0, (h, hk)
@@ -74,9 +76,13 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
         v = v.repeat_interleave(h // hk, dim=2)
 
     if sk == 0:
-        # Nothing to attend to: out = 0 (still connected to q so autograd gives zeros), lse = +inf.
+        # Nothing to attend to: out = 0 (still connected to q so autograd gives zeros), lse = +inf
+        # (with a sink: its logit, or +inf where that is -inf).
         out = q * 0
         lse = torch.full((b, h, sq), math.inf, dtype=acc_dtype, device=q.device)
+        if sink is not None:
+            s = sink.to(acc_dtype).view(1, h, 1).expand(b, h, sq)
+            lse = torch.where(s == -math.inf, lse, s)
         return out, lse
 
     if low:
@@ -93,6 +99,8 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
 
     keep = keep_mask_ref(sq, sk, causal, window_size, q.device)  # (sq, sk)
     s = s.masked_fill(~keep, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)  # masked entries: exp(-inf) = 0, gradient 0
@@ -101,6 +109,8 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
     l_safe = torch.where(empty, torch.ones_like(l), l)
     lse = torch.where(empty, torch.full_like(l, math.inf), torch.log(l_safe) + m).squeeze(-1)
     probs = p / l_safe
+    if sink is not None:
+        probs = probs[..., :-1]
     if low:
         probs = probs.to(compute_dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -120,19 +130,21 @@ def attention_ref(
     cu_seqlens_k: Optional[Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
     alibi_slopes: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference attention. Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d),
     lse (b, h, sq). Varlen (cu_seqlens_q and cu_seqlens_k given): q (total_q, h, d),
     k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q). Differentiable.
     alibi_slopes (h,) or (batch, h): the score of query i and key j gets
-    -slope * |i + sk - sq - j| (after the softcap)."""
+    -slope * |i + sk - sq - j| (after the softcap). sink (h,): a learnable sink's logits, one
+    more softmax column of each row of head h, without a value (lse includes it)."""
     assert compute_dtype in LOW_DTYPES + HIGH_DTYPES, compute_dtype
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     window_size = (int(window_size[0]), int(window_size[1]))
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype,
-                                alibi_slopes)
+                                alibi_slopes, sink)
     assert cu_seqlens_q is not None and cu_seqlens_k is not None
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
@@ -146,7 +158,7 @@ def attention_ref(
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi:bi + 1]
         o, lse = _attention_dense(qs, ks, vs, scale, causal, window_size, softcap, compute_dtype,
-                                  slopes)
+                                  slopes, sink)
         outs.append(o.squeeze(0))
         lses.append(lse.squeeze(0))
     if not outs:  # batch 0

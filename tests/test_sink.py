@@ -2,7 +2,7 @@
 reference path: forward and backward against an independent float64 implementation written
 here (an explicit softmax over the scores plus one more column holding the sink's logit),
 gradcheck, the two argument names, validation errors, the empty-row and ``-inf`` conventions,
-``torch.compile``; and, on a GPU, the NotImplementedError of the CUDA kernels.
+``torch.compile``. The CUDA path is tested in tests/test_sink_gpu.py.
 """
 
 import math
@@ -588,36 +588,3 @@ def test_transformers_gpt_oss_cpu(monkeypatch):
     for la, lb in zip(eager.model.layers, flash.model.layers):
         torch.testing.assert_close(lb.self_attn.sinks.grad, la.self_attn.sinks.grad,
                                    atol=1e-8, rtol=1e-4)
-
-
-# --------------------------------------------------------------------------------------------
-# CUDA: not implemented yet
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-def test_cuda_sink_raises_not_implemented():
-    """The CUDA kernels do not implement the sink: every entry point raises
-    NotImplementedError naming it (and the CPU reference), before any kernel runs; the KV-cache
-    call writes nothing into the cache."""
-    dev, bf16 = "cuda", torch.bfloat16
-    q = torch.randn(2, 8, 4, 64, device=dev, dtype=bf16)
-    kv = torch.randn(2, 8, 2, 64, device=dev, dtype=bf16)
-    sink = torch.zeros(4, device=dev)
-    cu = torch.tensor([0, 8, 16], device=dev, dtype=torch.int32)
-    match = r"learnable sink \(s_aux / learnable_sink\) is not implemented by the CUDA.*CPU"
-    with pytest.raises(NotImplementedError, match=match):
-        flash_attn_func(q, kv, kv, causal=True, s_aux=sink)
-    with pytest.raises(NotImplementedError, match=match):
-        flash_attn_varlen_func(q.flatten(0, 1), kv.flatten(0, 1), kv.flatten(0, 1), cu, cu, 8,
-                               8, learnable_sink=sink)
-    k_cache, v_cache = torch.zeros(2, 16, 2, 64, device=dev, dtype=bf16), torch.zeros(
-        2, 16, 2, 64, device=dev, dtype=bf16)
-    lens = torch.tensor([3, 5], device=dev, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=match):
-        flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, kv[:, :1], kv[:, :1],
-                                cache_seqlens=lens, s_aux=sink)
-    assert not k_cache.any() and not v_cache.any()
-    with pytest.raises(NotImplementedError, match=match):
-        torch.ops.flash_attn._bwd(q, q, kv, kv, q, torch.zeros(2, 4, 8, device=dev), None,
-                                  None, 8, 8, 0.125, True, -1, 0, 0.0, False, None, sink)

@@ -8,13 +8,15 @@ and calls ``flash_attn_func`` / ``flash_attn_varlen_func``:
 * ``llama_gqa_hd128``: Llama, 4 query heads / 2 kv heads, head_dim 128;
 * ``llama_hd64``: Llama, 4 heads, head_dim 64;
 * ``mistral_swa``: Mistral, GQA, sliding window 24 (sequences are longer than the window);
-* ``gemma2_softcap``: Gemma2, attn_logit_softcapping (and its alternating sliding/full layers).
+* ``gemma2_softcap``: Gemma2, attn_logit_softcapping (and its alternating sliding/full layers);
+* ``gpt_oss_sink``: gpt-oss, learnable sinks (``s_aux``), a sliding and a full layer.
 
 Accuracy rule (the "2x rule" of the kernel tests, applied to whole models): the same weights run in
 fp32 with ``attn_implementation="eager"`` are the reference, and
 ``max|flash_bf16 - ref| <= 2 * max|baseline_bf16 - ref| + atol`` where the baseline is the same
-bf16 model with ``attn_implementation="sdpa"``. Gemma2 is the exception: transformers' sdpa path
-silently drops ``softcap``, so its baseline is bf16 ``eager`` (which applies it). ``atol`` is a
+bf16 model with ``attn_implementation="sdpa"``. Gemma2 and gpt-oss are the exceptions:
+transformers' sdpa path silently drops ``softcap``, and has no sinks, so their baseline is bf16
+``eager``. ``atol`` is a
 small fraction of the reference's scale (FWD_ATOL, GRAD_ATOL).
 
 Cases per model: no padding, right padding and left padding (attention_mask with zeros; only
@@ -98,9 +100,18 @@ MODELS = {
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
              sliding_window=24, attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
     ),
+    # Learnable sinks (transformers passes them as s_aux), a sliding and a full layer; one
+    # expert, so that bf16 rounding cannot flip the router's choice between the models.
+    "gpt_oss_sink": (
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=24,
+             num_local_experts=1, num_experts_per_tok=1,
+             layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
-# transformers' sdpa_attention_forward ignores `softcap`; eager applies it.
-BASELINE = {"gemma2_softcap": "eager"}
+# transformers' sdpa_attention_forward ignores `softcap`; eager applies it. gpt-oss's sinks
+# have no sdpa path either.
+BASELINE = {"gemma2_softcap": "eager", "gpt_oss_sink": "eager"}
 
 # Query/key projection weights are redrawn with this std (the default init, 0.02, gives attention
 # logits of ~0.1: nearly uniform attention, where a wrong mask, window or softcap barely shows).
@@ -156,6 +167,8 @@ def build_models(name):
         for layer in ref.model.layers:
             layer.self_attn.q_proj.weight.normal_(0.0, QK_STD)
             layer.self_attn.k_proj.weight.normal_(0.0, QK_STD)
+            if hasattr(layer.self_attn, "sinks"):  # zeros at init: make them matter
+                layer.self_attn.sinks.normal_(0.0, 1.0)
         # Weights representable in bf16, so that the reference and the bf16 copies hold the same
         # weights and the errors compared are those of bf16 arithmetic alone.
         for p in ref.parameters():

@@ -22,9 +22,11 @@ not exposed (the ops are functional, ``mutates_args=()``; the extension is calle
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
 handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
-float32 ``(nheads,)``), which ``_C`` does not take: their CPU kernels implement it, their CUDA
-kernels raise ``NotImplementedError``. ``_fwd``'s autograd formula returns the sink's
-gradient, computed from ``out``, ``dout`` and ``softmax_lse`` (:func:`sink_grad`).
+float32 ``(nheads,)``), which ``_C`` does not take: the CPU kernels implement it in the
+reference; the CUDA ``_fwd`` joins it to the kernel's result (:func:`add_sink`), and the CUDA
+``_bwd`` needs nothing of it (its ``softmax_lse`` already includes the sink). ``_fwd``'s
+autograd formula returns the sink's gradient, computed from ``out``, ``dout`` and
+``softmax_lse`` (:func:`sink_grad`).
 ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -49,7 +51,7 @@ from torch import Tensor
 from .. import reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
-           "sink_grad", "reject_cuda_sink"]
+           "sink_grad", "add_sink"]
 
 _EXT = None
 
@@ -132,15 +134,24 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         + "; `python -m flash_attn` lists what was built.")
 
 
-def reject_cuda_sink() -> None:
-    """Raise the NotImplementedError of a learnable sink on CUDA. The op's CUDA kernels raise it;
-    flash_attn_with_kvcache calls it before its cache update too, so that a call that cannot
-    run writes nothing."""
-    raise NotImplementedError(
-        "flash_attn: the learnable sink (s_aux / learnable_sink) is not implemented by the CUDA "
-        "kernels yet; the CPU reference implements it (forward and backward): pass CPU tensors, "
-        "or call without the sink"
-    )
+def add_sink(out: Tensor, lse: Tensor, sink: Tensor, varlen: bool) -> Tuple[Tensor, Tensor]:
+    """Joins a learnable sink to an attention result computed without it: with S a row's sum of
+    exp(score) (lse = log S), the sink's row sum is S + exp(sink[h]), so
+    ``lse' = logaddexp(lse, sink[h])`` and ``out' = out * exp(lse - lse')``. Exact up to one
+    rounding of out to its dtype. Rows without a kept key (lse = +inf, out = 0) get
+    lse' = sink[h] (+inf where the sink is -inf too) and stay 0.
+    out: (batch, seqlen_q, nheads, d) or (total_q, nheads, d); lse: (batch, nheads, seqlen_q)
+    or (nheads, total_q) (varlen); sink: (nheads,) float32. Returns new tensors."""
+    s = sink.view(-1, 1) if varlen else sink.view(1, -1, 1)
+    kept = torch.where(lse == float("inf"), float("-inf"), lse)
+    joined = torch.logaddexp(kept, s)
+    factor = torch.where(kept == float("-inf"), 0.0, torch.exp(kept - joined))
+    joined = torch.where(joined == float("-inf"), float("inf"), joined)
+    # factor to out's (rows, heads) layout
+    factor = factor.transpose(0, 1) if varlen else factor.transpose(1, 2)
+    wide = torch.promote_types(out.dtype, torch.float32)
+    out = (out.to(wide) * factor.unsqueeze(-1).to(wide)).to(out.dtype)
+    return out, joined.contiguous()
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -249,18 +260,20 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
               sink=None):
-    if sink is not None:
-        reject_cuda_sink()
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
-        return _empty_forward(q, cu_seqlens_q)
-    require_kernel("fwd", q.dtype, q.shape[-1], q.device)
-    ext = load_extension()
-    out, lse = ext.fwd(
-        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx, block_table,
-        leftpad_k, alibi_slopes,
-    )
+        out, lse = _empty_forward(q, cu_seqlens_q)
+    else:
+        require_kernel("fwd", q.dtype, q.shape[-1], q.device)
+        ext = load_extension()
+        out, lse = ext.fwd(
+            q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+            block_table, leftpad_k, alibi_slopes,
+        )
+    if sink is not None:
+        # Not yet in the kernels' softmax: one more pass over out (docs/INTERNALS.md).
+        out, lse = add_sink(out, lse, sink, cu_seqlens_q is not None)
     return out, lse
 
 
@@ -326,8 +339,8 @@ def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_se
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
               deterministic, alibi_slopes=None, sink=None):
-    if sink is not None:
-        reject_cuda_sink()
+    # The sink needs nothing here: softmax_lse includes it, and P = exp(S - lse) is then the
+    # probability of each key with the sink in the denominator.
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)
