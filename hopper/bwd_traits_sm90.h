@@ -23,16 +23,9 @@ struct DoOperand {};
 // The backward kernel's named barriers (0 is __syncthreads).
 enum class BwdBarrier : int {
     kDsWritten = 1,  // every consumer thread wrote its part of dS: the dQ GEMM may read it
-    // Per dQ buffer b (dq_barrier): kDqFull + b, the consumers wrote a tile's dQ into buffer b
-    // (and the dQ warp waits); kDqEmpty + b, the dQ warp's reduction has read buffer b, so the
-    // consumers may write it again.
-    kDqFull = 2,   // and 3
-    kDqEmpty = 4,  // and 5
+    kDqFull = 2,     // the consumers wrote a tile's dQ into shared memory (and the dQ warp waits)
+    kDqEmpty = 3,    // the dQ warp's reduction has read it: the consumers may write the next
 };
-
-__forceinline__ __device__ BwdBarrier dq_barrier(BwdBarrier which, int buffer) {
-    return BwdBarrier(int(which) + buffer);
-}
 
 // Warps of the producer warp group.
 enum class BwdProducerWarp : int {
@@ -137,9 +130,7 @@ struct Sm90BwdTraits {
         // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
         // buffers of Sm90BwdRows.
         // A tile's dQ, fp32, in the accumulator's order (Sm90BwdRows::dq_accum).
-        // Two buffers: the consumers write a tile's dQ while the copy engine still reads the
-        // previous tile's, which it can only do as fast as L2 takes the reductions.
-        alignas(128) float dq[2][kBlockM * kHeadDim];
+        alignas(128) float dq[kBlockM * kHeadDim];
         alignas(16) float lse[kStages * kBlockM];
         alignas(16) float dsum[kStages * kBlockM];
         typename QPipe::SharedStorage q_pipe;

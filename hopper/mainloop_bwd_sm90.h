@@ -259,9 +259,8 @@ struct Sm90BwdMainloop {
             ++do_state;
 
             // dQ to shared memory in fragment order, for the dQ warp's bulk reduction.
-            const int dq_buf = (m - g.m_first) & 1;
-            barrier_sync(dq_barrier(BwdBarrier::kDqEmpty, dq_buf), kDqSyncThreads);
-            float4* dq = reinterpret_cast<float4*>(ss.dq[dq_buf]);
+            barrier_sync(BwdBarrier::kDqEmpty, kDqSyncThreads);
+            float4* dq = reinterpret_cast<float4*>(ss.dq);
             CUTE_UNROLL
             for (int j = 0; j < size(acc_dq) / 4; ++j) {
                 dq[j * Traits::kConsumerThreads + ctid] =
@@ -269,7 +268,7 @@ struct Sm90BwdMainloop {
                                 acc_dq(4 * j + 3));
             }
             cutlass::arch::fence_view_async_shared();
-            barrier_arrive(dq_barrier(BwdBarrier::kDqFull, dq_buf), kDqSyncThreads);
+            barrier_arrive(BwdBarrier::kDqFull, kDqSyncThreads);
         };
 
         ss.kv_full.wait(0);
@@ -285,7 +284,7 @@ struct Sm90BwdMainloop {
     static constexpr uint32_t kDqTileBytes = kBlockM * D::value * sizeof(float);
 
     // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
-    // the fp32 accumulator with one bulk reduction, and hands its buffer back once the copy
+    // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
     // engine has read it.
     static __device__ void reduce_dq(Args const& a, SharedStorage& ss, SeqInfo const& seq,
                                      int bidb, int bidh, Sm90BwdGeometry const& g) {
@@ -295,20 +294,14 @@ struct Sm90BwdMainloop {
         const int n_block = g.n0 / kBlockN;
         const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
         const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
-        // Both buffers start free; buffer b is handed back for tile i + 1 once tile i - 1's
-        // reduction has read it.
-        const int tiles = g.m_last - g.m_first;
-        barrier_arrive(dq_barrier(BwdBarrier::kDqEmpty, 0), kDqSyncThreads);
-        if (tiles > 1) barrier_arrive(dq_barrier(BwdBarrier::kDqEmpty, 1), kDqSyncThreads);
-        for (int i = 0; i < tiles; ++i) {
-            const int m = g.m_first + i;
-            const int buf = i & 1;
+        barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);  // the buffer starts free
+        for (int m = g.m_first; m < g.m_last; ++m) {
             const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
-            barrier_sync(dq_barrier(BwdBarrier::kDqFull, buf), kDqSyncThreads);
+            barrier_sync(BwdBarrier::kDqFull, kDqSyncThreads);
             if (issuer) {
                 if (turns.enabled()) turns.wait(m, rank);
                 bulk_reduce_add(a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value,
-                                ss.dq[buf], kDqTileBytes);
+                                ss.dq, kDqTileBytes);
                 tma_store_arrive();
                 if (turns.enabled()) {
                     // The next key tile's addition must find this one's done.
@@ -316,13 +309,11 @@ struct Sm90BwdMainloop {
                     fence_acq_rel_gpu();
                     turns.pass(m, rank);
                 } else {
-                    bulk_wait_read<1>();  // tile i - 1's
+                    bulk_wait_read<0>();
                 }
             }
             __syncwarp();
-            if (i >= 1 && i + 1 < tiles) {
-                barrier_arrive(dq_barrier(BwdBarrier::kDqEmpty, buf ^ 1), kDqSyncThreads);
-            }
+            if (m + 1 < g.m_last) barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);
         }
         if (issuer) bulk_wait_done();
     }
