@@ -117,8 +117,7 @@ struct Sm90BwdTraits {
     using DoPipe = OperandPipeline<DoOperand, kStages>;
     using PipeState = cutlass::PipelineState<kStages>;
 
-    static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // a tile's LSE or D
-    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T) + kRowBytes;
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);  // also dO
     static constexpr uint32_t kKVBytes = 2 * kBlockN * kHeadDim * sizeof(T);
 
     struct SharedStorage {
@@ -127,10 +126,10 @@ struct Sm90BwdTraits {
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> dout;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutDs>> ds;
-        // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
-        // buffers of Sm90BwdRows.
         // A tile's dQ, fp32, in the accumulator's order (Sm90BwdRows::dq_accum).
         alignas(128) float dq[kBlockM * kHeadDim];
+        // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
+        // buffers of Sm90BwdRows.
         alignas(16) float lse[kStages * kBlockM];
         alignas(16) float dsum[kStages * kBlockM];
         typename QPipe::SharedStorage q_pipe;
@@ -143,7 +142,7 @@ struct Sm90BwdTraits {
 
 // Where the SM90 backward keeps each query row's log2-scaled LSE and rowsum(dO * O): fp32
 // buffers in which every sequence's rows start at a multiple of block_m and its last tile is
-// padded to block_m rows, so that a tile's values are one aligned bulk copy. Padding rows hold
+// padded to block_m rows, so that a tile's values are read whole. Padding rows hold
 // LSE = +inf (P = 0) and D = 0, so rows past a sequence's end contribute nothing.
 // Batched: (batch, heads, padded seqlen_q). Varlen: (heads, rows) with sequence b at
 // block_m * floor((cu_seqlens_q[b] + b * block_m) / block_m), past the end of sequence b - 1's

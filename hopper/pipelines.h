@@ -65,12 +65,11 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
         }
     }
 
-    // The producer's acquire in two halves, for stages that consumers read with plain loads:
-    // wait until the consumers released the stage, issue its copies, then arm its full barrier
-    // with their bytes (called by the issuing thread). The transaction count may go below zero
-    // in between, and the phase completes only with the arrival. Issued before the arrival that
-    // publishes them, the copies are ordered before the consumers' reads in terms that
-    // compute-sanitizer's racecheck follows (it flags copies issued after the arrival).
+    // The producer's acquire in two halves, for stages that also hold values the producer
+    // stores itself: wait until the consumers released the stage, issue its copies and stores,
+    // then arm its full barrier with the copies' bytes (called by the issuing thread), which
+    // publishes the stores. The transaction count may go below zero in between; the phase
+    // completes only with the arrival.
     CUTLASS_DEVICE void producer_wait_empty(PipelineState const& state) {
         empty_[state.index()].wait(state.phase());
     }
