@@ -51,7 +51,7 @@ struct Sm90BwdTraits {
     static_assert(kConsumerWarpGroups == 2, "register split below assumes 384 threads");
     static_assert(kWarpGroupThreads * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
                   kThreads * (65536 / kThreads / 8 * 8));
-    static_assert(kBlockM % 16 == 0, "block_m is the K of the dK, dV GEMMs");
+    static_assert(kBlockM == 64 || kBlockM == 128);
 
     using BM = Int<kBlockM>;
     using BN = Int<kBlockN>;
@@ -69,23 +69,15 @@ struct Sm90BwdTraits {
         GMMA::rs_op_selector<T, T, float, Shape<_64, D, BM>, GMMA::Major::K, GMMA::Major::MN>(),
         WarpGroupsAlongM{}));
     // dQ = dS K, (block_m x d), both operands MN-major in shared memory. With 128 query rows the
-    // warp groups take 64 rows each; with 64 they take half of the columns each. With a block_m
-    // that is no multiple of 64 (80: see tile_size.h) the groups compute dQ^T = K^T dS^T
-    // instead, (d x block_m), 64 of d's rows each: the same operands, A and B swapped.
+    // warp groups take 64 rows each; with 64 they take half of the columns each.
     static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
-    static constexpr bool kDqTransposed = kBlockM % kWarpGroupRows != 0;
-    static_assert(!kDqTransposed || kHeadDim == kWarpGroupRows * kConsumerWarpGroups);
-    using DqAtom = std::conditional_t<
-        kDqTransposed, Shape<_64, BM, BN>,
-        std::conditional_t<kDqSplitRows, Shape<_64, D, BN>,
-                           Shape<_64, Int<kHeadDim / kConsumerWarpGroups>, BN>>>;
-    using DqWarpGroups = std::conditional_t<kDqSplitRows || kDqTransposed, WarpGroupsAlongM,
+    using DqAtom = std::conditional_t<kDqSplitRows, Shape<_64, D, BN>,
+                                      Shape<_64, Int<kHeadDim / kConsumerWarpGroups>, BN>>;
+    using DqWarpGroups = std::conditional_t<kDqSplitRows, WarpGroupsAlongM,
                                             Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>>;
     using MmaDq = decltype(make_tiled_mma(
         GMMA::ss_op_selector<T, T, float, DqAtom, GMMA::Major::MN, GMMA::Major::MN>(),
         DqWarpGroups{}));
-    // The dQ GEMM's accumulator tile: (block_m, d), or (d, block_m) transposed.
-    using DqShape = std::conditional_t<kDqTransposed, Shape<D, BM>, Shape<BM, D>>;
 
     // Rows of d elements (K, V, Q, dO) and dS^T's rows of block_m, swizzled in the atoms that
     // TMA and WGMMA both read without bank conflicts.

@@ -72,11 +72,10 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     const SeqInfo seq(p, bidb);
     const int m0 = m * kBlockM;
     if (m0 >= seq.seqlen_q) return;
-    using DqShape = typename Traits::DqShape;
     typename Traits::MmaDq mma_dq;
     auto thr = mma_dq.get_thread_slice(threadIdx.x);
-    Tensor acc = partition_fragment_C(mma_dq, DqShape{});
-    Tensor coord = thr.partition_C(make_identity_tensor(DqShape{}));
+    Tensor acc = partition_fragment_C(mma_dq, Shape<BM, D>{});
+    Tensor coord = thr.partition_C(make_identity_tensor(Shape<BM, D>{}));
     const float4* src = reinterpret_cast<const float4*>(
         rows.dq_accum + (rows.offset<kBlockM>(p, seq.row_q, bidb, bidh) + m0) * D::value);
     CUTE_UNROLL
@@ -90,23 +89,13 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     Tensor r = convert_fragment<T>(acc);
     T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, m0, bidh);
     const int rows_left = seq.seqlen_q - m0;
-    if constexpr (Traits::kDqTransposed) {
-        // (d, row) coordinates: a thread's neighbouring values are rows apart.
-        CUTE_UNROLL
-        for (int i = 0; i < size(r); ++i) {
-            const int col = get<0>(coord(i));
-            const int row = get<1>(coord(i));
-            if (row < rows_left && col < p.headdim) dq[index_t(row) * p.dq_stride.row + col] = r(i);
-        }
-    } else {
-        CUTE_UNROLL
-        for (int i = 0; i < size(r); i += 2) {
-            const int row = get<0>(coord(i));
-            const int col = get<1>(coord(i));
-            if (row < rows_left && col < p.headdim) {
-                *reinterpret_cast<uint32_t*>(dq + index_t(row) * p.dq_stride.row + col) =
-                    *reinterpret_cast<uint32_t const*>(&r(i));
-            }
+    CUTE_UNROLL
+    for (int i = 0; i < size(r); i += 2) {
+        const int row = get<0>(coord(i));
+        const int col = get<1>(coord(i));
+        if (row < rows_left && col < p.headdim) {
+            *reinterpret_cast<uint32_t*>(dq + index_t(row) * p.dq_stride.row + col) =
+                *reinterpret_cast<uint32_t const*>(&r(i));
         }
     }
 }

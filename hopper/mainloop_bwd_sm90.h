@@ -61,7 +61,7 @@ struct Sm90BwdMainloop {
     static __device__ void copy_rows(float const* src, float* dst) {
         const int lane = threadIdx.x % 32;
         CUTE_UNROLL
-        for (int i = lane; i < kBlockM; i += 32) dst[i] = src[i];
+        for (int i = 0; i < kBlockM / 32; ++i) dst[lane + 32 * i] = src[lane + 32 * i];
         __syncwarp();
     }
 
@@ -168,18 +168,8 @@ struct Sm90BwdMainloop {
         Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
         Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
         Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-        // dQ's operands, dS (two buffers) and K: (MMA, 1, block_n/16[, 2]).
-        auto dq_operands = [&] {
-            if constexpr (Traits::kDqTransposed) {
-                return cute::make_tuple(thr_dq.partition_fragment_B(sDsT),
-                                        thr_dq.partition_fragment_A(sKt));
-            } else {
-                return cute::make_tuple(thr_dq.partition_fragment_A(sDsT),
-                                        thr_dq.partition_fragment_B(sKt));
-            }
-        }();
-        auto& tDqrDs = get<0>(dq_operands);
-        auto& tDqrKt = get<1>(dq_operands);
+        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, 2)
+        Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
 
         auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
         Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, 2)
@@ -187,8 +177,7 @@ struct Sm90BwdMainloop {
         // This thread's (key, query) coordinates of the S^T tile, as a (rows, cols) view.
         Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
         Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
-        using DqShape = typename Traits::DqShape;
-        static_assert(decltype(size(partition_fragment_C(mma_dq, DqShape{})))::value % 4 == 0);
+        static_assert(decltype(size(partition_fragment_C(mma_dq, Shape<BM, D>{})))::value % 4 == 0);
 
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
@@ -268,12 +257,8 @@ struct Sm90BwdMainloop {
             copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, ds_buf));
             cutlass::arch::fence_view_async_shared();
             barrier_sync(BwdBarrier::kDsWritten, Traits::kConsumerThreads);
-            Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
-            if constexpr (Traits::kDqTransposed) {
-                wgmma_issue<true>(mma_dq, tDqrKt, tDqrDs(_, _, _, ds_buf), acc_dq);
-            } else {
-                wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buf), tDqrKt, acc_dq);
-            }
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buf), tDqrKt, acc_dq);
             warpgroup_wait<0>();
             q_pipe.consumer_release(q_state);
             do_pipe.consumer_release(do_state);

@@ -63,7 +63,7 @@ struct Sm90BwdTile {
 // load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats.
 // Two Q/dO stages let the next query tile load while this one computes.
 constexpr Sm90BwdTile sm90_bwd_tile(int d) {
-    return d <= 64 ? Sm90BwdTile{128, 128, 2} : Sm90BwdTile{80, 128, 2};
+    return d <= 64 ? Sm90BwdTile{128, 128, 2} : Sm90BwdTile{64, 128, 2};
 }
 
 // Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
