@@ -374,11 +374,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
-    // block_n); other page sizes, and ALiBi, run on the SM80 kernels (key blocks of 64).
+    // block_n); other page sizes run on the SM80 kernels (key blocks of 64).
     const int tier = flash::headdim_tier(int(pb.headdim));
     const bool sm90_ok =
-        !alibi_slopes.has_value() &&
-        (pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0);
+        pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0;
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 

@@ -84,7 +84,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
     unsupported = "NotImplementedError"
     return [
         ("forward", sm90(fwd90, ""), "SM80"),
-        ("forward with alibi_slopes", "SM80 (the SM90 forward takes no bias)", "SM80"),
+        ("forward with alibi_slopes", sm90(fwd90, ""), "SM80"),
         ("paged KV (block_table)",
          "SM90 where a page holds whole key blocks, else SM80", "SM80"),
         ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),

@@ -117,7 +117,8 @@ struct Sm90BwdTraits {
     using DoPipe = OperandPipeline<DoOperand, kStages>;
     using PipeState = cutlass::PipelineState<kStages>;
 
-    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);  // also dO
+    static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // a tile's LSE or D
+    static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T) + kRowBytes;
     static constexpr uint32_t kKVBytes = 2 * kBlockN * kHeadDim * sizeof(T);
 
     struct SharedStorage {
@@ -142,7 +143,7 @@ struct Sm90BwdTraits {
 
 // Where the SM90 backward keeps each query row's log2-scaled LSE and rowsum(dO * O): fp32
 // buffers in which every sequence's rows start at a multiple of block_m and its last tile is
-// padded to block_m rows, so that a tile's values are read whole. Padding rows hold
+// padded to block_m rows, so that a tile's values are one aligned bulk copy. Padding rows hold
 // LSE = +inf (P = 0) and D = 0, so rows past a sequence's end contribute nothing.
 // Batched: (batch, heads, padded seqlen_q). Varlen: (heads, rows) with sequence b at
 // block_m * floor((cu_seqlens_q[b] + b * block_m) / block_m), past the end of sequence b - 1's

@@ -360,7 +360,12 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    using Alibi = Sm90FwdTraits<T, kHeadDim, true, false, true>;
     p.pack_gqa = 1;
+    if (p.alibi_slopes != nullptr) {
+        launch_fwd_sm90<Alibi>(p, stream);
+        return;
+    }
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
     // seqused_k, not paged), and its clusters pair query tiles: all heads' tiles must make whole

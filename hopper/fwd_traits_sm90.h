@@ -25,12 +25,17 @@ namespace flash {
 // kPackGQA: tiles hold packed rows of a KV head's query heads (FwdParams::pack_gqa); its own
 // instantiation, so the unpacked kernels keep their registers (the packed row mapping costs
 // two in the key loop).
-template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false>
+// kAlibi: the band kernel with ALiBi's bias added to the scores, an instantiation of its own so
+// that the others keep their registers. Not packed: a packed tile's rows are of several heads,
+// each with its slope.
+template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false>
 struct Sm90FwdTraits {
     using Element = T;
     static constexpr bool kBand = kBand_;
     static constexpr bool kPackGQA = kPackGQA_;
+    static constexpr bool kAlibi = kAlibi_;
     static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
+    static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
     static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;

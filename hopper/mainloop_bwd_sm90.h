@@ -54,17 +54,6 @@ struct Sm90BwdMainloop {
 
     // ---------------------------------------------------------------- producer ----
 
-    // A query tile's row values (log2 LSE or rowsum(dO * O)) into a stage, by the whole warp
-    // with plain loads and stores, published by lane 0's arrival on the stage's full barrier
-    // after the __syncwarp. The consumers read them with plain loads too; as a bulk copy,
-    // compute-sanitizer's racecheck saw no order between those reads and the copy's writes.
-    static __device__ void copy_rows(float const* src, float* dst) {
-        const int lane = threadIdx.x % 32;
-        CUTE_UNROLL
-        for (int i = 0; i < kBlockM / 32; ++i) dst[lane + 32 * i] = src[lane + 32 * i];
-        __syncwarp();
-    }
-
     // Run by one whole warp; lane 0 issues the copies.
     static __device__ void load(Args const& a, SharedStorage& ss, typename Traits::QPipe& q_pipe,
                                 typename Traits::DoPipe& do_pipe, PipeState& q_state,
@@ -112,21 +101,21 @@ struct Sm90BwdMainloop {
         const int64_t rows0 = a.rows.template offset<kBlockM>(p, seq.row_q, bidb, bidh);
         for (int m = g.m_first; m < g.m_last; ++m) {
             const int64_t rows = rows0 + int64_t(m) * kBlockM;
-            q_pipe.producer_wait_empty(q_state);
+            q_pipe.producer_acquire(q_state);
             if (issuer) {
-                copy(a.tma_q.with(*q_pipe.full_barrier(q_state)), get<0>(tq)(_, m),
-                     get<1>(tq)(_, q_state.index()));
+                auto* bar = q_pipe.producer_get_barrier(q_state);
+                copy(a.tma_q.with(*bar), get<0>(tq)(_, m), get<1>(tq)(_, q_state.index()));
+                SM90_BULK_COPY_G2S::copy(a.rows.lse_log2 + rows, bar,
+                                         ss.lse + q_state.index() * kBlockM, Traits::kRowBytes);
             }
-            copy_rows(a.rows.lse_log2 + rows, ss.lse + q_state.index() * kBlockM);
-            if (issuer) q_pipe.producer_arm(q_state, Traits::kQBytes);
             ++q_state;
-            do_pipe.producer_wait_empty(do_state);
+            do_pipe.producer_acquire(do_state);
             if (issuer) {
-                copy(a.tma_do.with(*do_pipe.full_barrier(do_state)), get<0>(tdo)(_, m),
-                     get<1>(tdo)(_, do_state.index()));
+                auto* bar = do_pipe.producer_get_barrier(do_state);
+                copy(a.tma_do.with(*bar), get<0>(tdo)(_, m), get<1>(tdo)(_, do_state.index()));
+                SM90_BULK_COPY_G2S::copy(a.rows.dsum + rows, bar,
+                                         ss.dsum + do_state.index() * kBlockM, Traits::kRowBytes);
             }
-            copy_rows(a.rows.dsum + rows, ss.dsum + do_state.index() * kBlockM);
-            if (issuer) do_pipe.producer_arm(do_state, Traits::kQBytes);
             ++do_state;
         }
     }

@@ -294,12 +294,15 @@ struct Sm90FwdMainloop {
             if constexpr (Traits::kPingPong) Turns::pass(group);
         };
 
-        // softcap, then the mask where the block needs one (`may_mask` false: the caller knows
-        // it does not), then the online softmax (`lazy`: blocks after the first keep the running
+        // softcap, ALiBi's bias, then the mask where the block needs one (`may_mask` false: the
+        // caller knows it does not), then the online softmax (`lazy`: blocks after the first keep the running
         // max unless it moved by a margin).
         auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask, auto lazy) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
+            if constexpr (Traits::kAlibi) {
+                apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), g.row0, n * kBlockN);
+            }
             if constexpr (decltype(may_mask)::value) {
                 if (mask.tile_needs_mask(group_q_row0, group_q_span, n * kBlockN, kBlockN)) {
                     apply_mask(s_rc, cS_rc, mask, g.row0, n * kBlockN, pack_factor(p));

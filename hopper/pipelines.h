@@ -39,8 +39,7 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     CUTLASS_DEVICE OperandPipeline(SharedStorage& storage, Params const& params, int consumer_warps)
         : Base(storage, params, cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>{},
                cute::false_type{}, cute::false_type{}),
-          empty_(&storage.empty_barrier_[0]),
-          full_(&storage.full_barrier_[0]) {
+          empty_(&storage.empty_barrier_[0]) {
         if (threadIdx.x == 0) {
             CUTE_UNROLL
             for (int s = 0; s < kStages; ++s) {
@@ -50,11 +49,8 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
         }
     }
 
-    // Called by every lane of a consumer warp once the warp is done with the stage. The
-    // __syncwarp orders every lane's reads of the stage (the backward reads its row values with
-    // plain loads) before the elected lane's arrival, after which the producer overwrites it.
+    // Called by every lane of a consumer warp once the warp is done with the stage.
     CUTLASS_DEVICE void consumer_release(PipelineState const& state) {
-        __syncwarp();
         if (cute::elect_one_sync()) {
             if constexpr (kClusterM == 1) {
                 empty_[state.index()].arrive();
@@ -65,24 +61,8 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
         }
     }
 
-    // The producer's acquire in two halves, for stages that also hold values the producer
-    // stores itself: wait until the consumers released the stage, issue its copies and stores,
-    // then arm its full barrier with the copies' bytes (called by the issuing thread), which
-    // publishes the stores. The transaction count may go below zero in between; the phase
-    // completes only with the arrival.
-    CUTLASS_DEVICE void producer_wait_empty(PipelineState const& state) {
-        empty_[state.index()].wait(state.phase());
-    }
-    CUTLASS_DEVICE void producer_arm(PipelineState const& state, uint32_t bytes) {
-        full_[state.index()].arrive_and_expect_tx(bytes);
-    }
-    CUTLASS_DEVICE uint64_t* full_barrier(PipelineState const& state) {
-        return reinterpret_cast<uint64_t*>(&full_[state.index()]);
-    }
-
   private:
     typename Base::EmptyBarrier* empty_;
-    typename Base::FullBarrier* full_;
 };
 
 // A pipeline's params for this thread: the producer warp group produces, thread 0 arms the

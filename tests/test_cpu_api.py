@@ -673,5 +673,5 @@ def test_main_lists_features_by_code_path():
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["backward (alibi_slopes too)"]
     assert "NotImplementedError" not in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["deterministic=True backward"]
-    assert "SM80 (the SM90 forward takes no bias)" in lines["forward with alibi_slopes"]
+    assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward with alibi_slopes"]
     assert lines["dropout_p > 0"].count("NotImplementedError") == 2
