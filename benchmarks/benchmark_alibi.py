@@ -2,9 +2,9 @@
 per call, hidden 2048 (the grid of RESULTS.md).
 
 Columns (TFLOP/s, median of ``triton.testing.do_bench``): the forward on the default path (SM90
-kernels on an H100), the forward on the SM80 kernels (``FLASH_ATTN_FORCE_SM80=1``) without and
-with ALiBi (the SM80 kernels are the ones that take it), and the backward (SM80 kernels on
-every GPU) without and with ALiBi. Slopes are the usual 2^(-8 i / nheads).
+kernels on an H100) without and with ALiBi and their ratio, the forward with ALiBi on the SM80
+kernels (``FLASH_ATTN_FORCE_SM80=1``, what H100 ran before the SM90 forward took ALiBi), and the
+backward without and with ALiBi. Slopes are the usual 2^(-8 i / nheads).
 
     python benchmarks/benchmark_alibi.py
 """
@@ -20,12 +20,12 @@ from flash_attn import flash_attn_func
 def main() -> None:
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, TFLOP/s")
-    print("| hdim | seqlen | causal | fwd default | fwd sm80 | fwd sm80 + alibi | bwd | "
+    print("| hdim | seqlen | causal | fwd | fwd + alibi | ratio | fwd sm80 + alibi | bwd | "
           "bwd + alibi |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     forced = os.environ.get("FLASH_ATTN_FORCE_SM80")
     for d in (64, 128):
-        for s in (2048, 8192):
+        for s in (1024, 4096, 16384):
             for causal in (False, True):
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
@@ -34,13 +34,14 @@ def main() -> None:
                                       device="cuda")
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 res = []
-                for force, al in (("0", None), ("1", None), ("1", slopes)):
+                for force, al in (("0", None), ("0", slopes), ("1", slopes)):
                     os.environ["FLASH_ATTN_FORCE_SM80"] = force
                     with torch.no_grad():
                         t = do_bench(lambda: flash_attn_func(q, k, v, causal=causal,
                                                              alibi_slopes=al),
                                      return_mode="median")
                     res.append(flops / t / 1e9)
+                os.environ["FLASH_ATTN_FORCE_SM80"] = "0"
                 for al in (None, slopes):
                     out = flash_attn_func(q, k, v, causal=causal, alibi_slopes=al)
                     g = torch.randn_like(out)
@@ -48,8 +49,10 @@ def main() -> None:
                                                              retain_graph=True),
                                  return_mode="median")
                     res.append(2.5 * flops / t / 1e9)
+                res.insert(2, res[1] / res[0])
                 print(f"| {d} | {s} | {'yes' if causal else 'no'} | "
-                      + " | ".join(f"{x:.0f}" for x in res) + " |")
+                      + " | ".join(f"{x:.2f}" if i == 2 else f"{x:.0f}" for i, x in enumerate(res))
+                      + " |")
     if forced is None:
         os.environ.pop("FLASH_ATTN_FORCE_SM80", None)
     else:
