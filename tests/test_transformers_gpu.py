@@ -138,13 +138,23 @@ def _classes(name):
     return cfg_cls, model_cls, kwargs
 
 
+# Models whose attention takes a learnable sink: transformers' set_attn_implementation does not
+# offer them "flash_attention_2" (FlashAttention-2 has no sinks; it falls back to a hub kernel),
+# so the test sets the config attribute that the attention modules read at each forward, as a
+# user of this package does: model.config._attn_implementation = "flash_attention_2".
+SINK_MODELS = {"GptOssForCausalLM"}
+
+
 def _set_attn_impl(model, impl):
-    """model.set_attn_implementation (transformers >= 4.5x) or, failing that, the config attribute
-    that the attention modules read at each forward."""
-    if hasattr(model, "set_attn_implementation"):
+    """model.set_attn_implementation (transformers >= 4.5x) or, failing that or for SINK_MODELS,
+    the config attribute that the attention modules read at each forward."""
+    sink_flash = type(model).__name__ in SINK_MODELS and impl == FLASH
+    if hasattr(model, "set_attn_implementation") and not sink_flash:
         model.set_attn_implementation(impl)
     if model.config._attn_implementation != impl:  # older API, or set_attn_implementation declined
-        model.config._attn_implementation = impl
+        for m in model.modules():
+            if hasattr(m, "config"):
+                m.config._attn_implementation = impl
     assert model.config._attn_implementation == impl
 
 
