@@ -60,7 +60,8 @@ struct Sm90BwdTile {
 // dV += P^T dO and dK += dS^T Q; dQ = dS K reads dS from shared memory. Registers per consumer
 // thread: dK and dV d / 2 floats each, S^T and dP^T block_m / 2 each.
 // d <= 64: block_m = 128 (S^T, dP^T 64 floats each beside dK, dV 32 each): more work per Q/dO
-// load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats.
+// load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats
+// (80, with dQ^T, spilled 144 bytes and ran at 0.97-1.02 of 64, 2026-11-25).
 // Two Q/dO stages let the next query tile load while this one computes.
 constexpr Sm90BwdTile sm90_bwd_tile(int d) {
     return d <= 64 ? Sm90BwdTile{128, 128, 2} : Sm90BwdTile{64, 128, 2};
