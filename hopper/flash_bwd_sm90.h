@@ -112,10 +112,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     extern __shared__ __align__(1024) char smem[];
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
-    // Key tiles first, so that a causal grid starts with the tiles most query rows see (and a
-    // deterministic one with the tiles the others wait for: common/dq_turns.h).
+    // Key tiles first, so that a causal grid starts with the tiles most query rows see (in
+    // deterministic mode the highest first: key_tile_of_launch).
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    const int n_block = int(blockIdx.x % n_blocks);
+    const int n_block = key_tile_of_launch(int(blockIdx.x % n_blocks), n_blocks, p.deterministic);
     const int bidh = int(blockIdx.x / n_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / n_blocks) / p.nheads;
     const SeqInfo seq(p, bidb);

@@ -27,10 +27,8 @@ struct Sm90BwdGeometry {
     int n0;       // first key row of the tile
     int keys;     // rows of the tile inside the sequence
     int m_first, m_last;
-    bool down;    // deterministic: the query tiles are walked from the last (QueryOrder)
 
     __device__ bool has_queries() const { return m_last > m_first; }
-    __device__ QueryOrder order() const { return QueryOrder{m_first, m_last, down}; }
 };
 
 template <class Traits>
@@ -51,7 +49,6 @@ struct Sm90BwdMainloop {
         g.n0 = n_block * kBlockN;
         g.keys = min(kBlockN, seq.seqlen_k - g.n0);
         seq.mask(p).query_block_range(g.n0, kBlockN, kBlockM, g.m_first, g.m_last);
-        g.down = p.deterministic;
         return g;
     }
 
@@ -102,9 +99,7 @@ struct Sm90BwdMainloop {
         auto tdo = tma_partition(a.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                  group_modes<0, 2>(gdO));
         const int64_t rows0 = a.rows.template offset<kBlockM>(p, seq.row_q, bidb, bidh);
-        const QueryOrder order = g.order();
-        for (int i = 0; i < order.count(); ++i) {
-            const int m = order.at(i);
+        for (int m = g.m_first; m < g.m_last; ++m) {
             const int64_t rows = rows0 + int64_t(m) * kBlockM;
             q_pipe.producer_acquire(q_state);
             if (issuer) {
@@ -180,7 +175,7 @@ struct Sm90BwdMainloop {
         // GEMM is issued before dS^T is computed. With it, dS^T needs d tanh / d x = 1 - t^2 of
         // each score, so P^T and dS^T are computed together once both GEMMs are done (t is not
         // kept across the dV GEMM: a second score tile of registers).
-        auto step = [&](int i, int m, auto softcap) {
+        auto step = [&](int m, auto softcap) {
             constexpr bool kSoftcap = decltype(softcap)::value;
             const int m0 = m * kBlockM;
             const int q_stage = q_state.index();
@@ -247,7 +242,7 @@ struct Sm90BwdMainloop {
             // dS^T into this step's buffer for the dQ GEMM, which reads every group's rows. The
             // barrier also tells each group that the others' dQ GEMMs of the step before last,
             // which read this buffer, are done (each waits for its own before the next step).
-            const int ds_buf = i & 1;
+            const int ds_buf = (m - g.m_first) & 1;
             copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, ds_buf));
             cutlass::arch::fence_view_async_shared();
             barrier_sync(BwdBarrier::kDsWritten, Traits::kConsumerThreads);
@@ -272,12 +267,11 @@ struct Sm90BwdMainloop {
             barrier_arrive(BwdBarrier::kDqFull, kDqSyncThreads);
         };
 
-        const QueryOrder order = g.order();
         ss.kv_full.wait(0);
         if (p.softcap > 0.f) {
-            for (int i = 0; i < order.count(); ++i) step(i, order.at(i), cute::true_type{});
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
         } else {
-            for (int i = 0; i < order.count(); ++i) step(i, order.at(i), cute::false_type{});
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
         }
     }
 
@@ -294,12 +288,11 @@ struct Sm90BwdMainloop {
         const int64_t rows0 = a.rows.template offset<kBlockM>(a.p, seq.row_q, bidb, bidh);
         const BandMask mask = seq.mask(a.p);
         const int n_block = g.n0 / kBlockN;
+        const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
         const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
-        const QueryOrder order = g.order();
         barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);  // the buffer starts free
-        for (int i = 0; i < order.count(); ++i) {
-            const int m = order.at(i);
-            const int rank = turns.enabled() ? turns.rank(mask, m, n_block) : 0;
+        for (int m = g.m_first; m < g.m_last; ++m) {
+            const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
             barrier_sync(BwdBarrier::kDqFull, kDqSyncThreads);
             if (issuer) {
                 if (turns.enabled()) turns.wait(m, rank);
@@ -316,7 +309,7 @@ struct Sm90BwdMainloop {
                 }
             }
             __syncwarp();
-            if (i + 1 < order.count()) barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);
+            if (m + 1 < g.m_last) barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);
         }
         if (issuer) bulk_wait_done();
     }

@@ -1,15 +1,7 @@
 // deterministic=True backward, both archs: the key tiles that see a query tile add their dQ
-// partial sums to its fp32 accumulator one at a time, lowest key tile first, so that the sum's
+// partial sums to its fp32 accumulator one at a time, highest key tile first, so that the sum's
 // rounding is the same in every run. A counter per (batch, head, query tile) says how many have
-// added; a key tile waits until it equals the tile's rank. Key tiles then walk their query tiles
-// from the last down (QueryOrder), and the grid launches a head's key tiles in ascending order:
-// - a tile only waits for lower tiles, launched before it: they hold an SM or are done, so no
-//   tile waits for one that cannot start;
-// - under a causal mask the lowest key tile, which sees the most query tiles, never waits, and
-//   each tile above reaches a query tile one step after the tile below it (from the last query
-//   tile down, every key tile sees them all up to its diagonal), so the waits stay short; walked
-//   upwards, a tile would wait at its diagonal for every tile below it;
-// - the longest tiles (causal: the lowest) start first, as without deterministic.
+// added; a key tile waits until it equals the tile's rank.
 #pragma once
 
 #include "mask.h"
@@ -26,23 +18,25 @@ struct DqTurns {
 
     __device__ bool enabled() const { return counts != nullptr; }
 
-    // Key tile n's rank among the key tiles that see query tile m: how many of them lie below
-    // n. They are contiguous, since both ends of a key tile's query range
-    // (BandMask::query_block_range) grow with the tile: the first is the first tile whose range
-    // ends past m.
-    static __device__ int rank(BandMask const& mask, int m, int n_block) {
-        int lo = 0, hi = n_block;
+    // The key tiles that see query tile m are contiguous (both ends of a key tile's query range,
+    // BandMask::query_block_range, grow with the tile). Key tile n's rank is the number of them
+    // above n. Highest first: a causal key tile's first query tiles are those it starts (rank
+    // 0), and each later one waits only for the tiles above it, a step ahead of it; in
+    // ascending order a tile would wait at its first query tiles for every tile below it.
+    // n_end: the sequence's key tiles.
+    static __device__ int rank(BandMask const& mask, int m, int n_block, int n_end) {
+        int lo = n_block, hi = n_end - 1;  // n_block sees m: find the last tile that does
         while (lo < hi) {
-            const int mid = (lo + hi) / 2;
+            const int mid = (lo + hi + 1) / 2;
             int first, last;
             mask.query_block_range(mid * kBlockN, kBlockN, kBlockM, first, last);
-            if (last > m) {
-                hi = mid;
+            if (first <= m && m < last) {
+                lo = mid;
             } else {
-                lo = mid + 1;
+                hi = mid - 1;
             }
         }
-        return n_block - lo;
+        return lo - n_block;
     }
 
     // Called by one thread: returns once the tiles ranked before `rank` have added to tile m.
@@ -56,14 +50,12 @@ struct DqTurns {
     __device__ void pass(int m, int rank) const { st_release_gpu(counts + m, rank + 1); }
 };
 
-// The order in which a key tile walks its query tiles [first, last): ascending, or descending
-// in deterministic mode (see above).
-struct QueryOrder {
-    int first, last;
-    bool down;
-
-    __device__ int count() const { return last - first; }
-    __device__ int at(int i) const { return down ? last - 1 - i : first + i; }
-};
+// Deterministic grids launch a (batch, head)'s key tiles from the highest down: a tile waits
+// only for tiles launched before it, which hold an SM or are done, so none waits for a tile
+// that cannot start.
+__forceinline__ __device__ int key_tile_of_launch(int launch_index, int n_blocks,
+                                                  bool deterministic) {
+    return deterministic ? n_blocks - 1 - launch_index : launch_index;
+}
 
 }  // namespace flash

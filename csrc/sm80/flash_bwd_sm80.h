@@ -110,10 +110,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     extern __shared__ __align__(128) char smem[];
     const int tid = threadIdx.x;
-    // Flat grid; low key tiles see the most causal rows, so they launch first (and in
-    // deterministic mode the others wait for them: common/dq_turns.h).
+    // Flat grid; low key tiles see the most causal rows, so they launch first (in deterministic
+    // mode the highest first: key_tile_of_launch).
     const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-    const int n_block = int(blockIdx.x % num_n_blocks);
+    const int n_block = key_tile_of_launch(int(blockIdx.x % num_n_blocks), num_n_blocks,
+                                           kExtras && p.deterministic);
     const int bidh = int(blockIdx.x / num_n_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / num_n_blocks) / p.nheads;
     const int bidh_k = bidh / (p.nheads / p.nheads_k);
@@ -125,11 +126,9 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     const DqTurns<kBlockM, kBlockN> turns(kExtras ? p.dq_turns : nullptr,
                                           (p.seqlen_q + kBlockM - 1) / kBlockM, p.nheads, bidb,
                                           bidh);
+    const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
     int m_first, m_last;
     mask.query_block_range(col0, kBlockN, kBlockM, m_first, m_last);
-    // The extras kernel walks downwards also without deterministic (a run-time choice spilled
-    // 188 more bytes at d=128); the order of the atomics is free then.
-    const QueryOrder order{m_first, m_last, kExtras};
     const int cols_left = seq.seqlen_k - col0;
 
     const T* q_ptr = static_cast<const T*>(p.q) + seq.q_offset(p.q_stride, p, bidb, 0, bidh);
@@ -223,11 +222,10 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
 
     load_tile<kBlockN, kHeadDim>(gload, tKgK, tKsK, tKc, cols_left, p.headdim);
     load_tile<kBlockN, kHeadDim>(gload, tVgV, tVsV, tKc, cols_left, p.headdim);
-    if (order.count() > 0) {
-        const int m0 = order.at(0);
-        const int rows = seq.seqlen_q - m0 * kBlockM;
-        load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m0), tQsQ, tQc, rows, p.headdim);
-        load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m0), tdOsdO, tQc, rows, p.headdim);
+    if (m_first < m_last) {
+        const int rows = seq.seqlen_q - m_first * kBlockM;
+        load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m_first), tQsQ, tQc, rows, p.headdim);
+        load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m_first), tdOsdO, tQc, rows, p.headdim);
     }
     cp_async_fence();
 
@@ -236,13 +234,13 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     // One query tile. The general variant (mask or softcap) is a separate instantiation: folded
     // into one body, the compiler predicates the mask and tanh code instead of branching over
     // it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
-    auto step = [&](int i, int m, auto general) {
+    auto step = [&](int m, auto general) {
         constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
         const int rows_left = seq.seqlen_q - row0;
         // deterministic: this tile's turn among those adding to query tile m's dQ. Found here,
         // where fewer registers are live than at the addition.
-        const int rank = turns.enabled() ? turns.rank(mask, m, n_block) : 0;
+        const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
 
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BM, BN>{});
@@ -314,11 +312,10 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             gemm_smem(mma_kv, acc_dk, rA, rB, sdSt_a, sQt_b, ldsm_kv_a, ldsm_kv_b);
         }
         __syncthreads();  // nobody reads Q(m) or dO(m) any more: prefetch the next tile
-        if (i + 1 < order.count()) {
-            const int next = order.at(i + 1);
-            const int rows = seq.seqlen_q - next * kBlockM;
-            load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, next), tQsQ, tQc, rows, p.headdim);
-            load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, next), tdOsdO, tQc, rows,
+        if (m + 1 < m_last) {
+            const int rows = seq.seqlen_q - (m + 1) * kBlockM;
+            load_tile<kBlockM, kHeadDim>(gload, tQgQ(_, _, _, m + 1), tQsQ, tQc, rows, p.headdim);
+            load_tile<kBlockM, kHeadDim>(gload, tdOgdO(_, _, _, m + 1), tdOsdO, tQc, rows,
                                          p.headdim);
         }
         cp_async_fence();
@@ -348,12 +345,11 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         }
     };
 
-    for (int i = 0; i < order.count(); ++i) {
-        const int m = order.at(i);
+    for (int m = m_first; m < m_last; ++m) {
         if (softcap || mask.tile_needs_mask(m * kBlockM, kBlockM, col0, kBlockN)) {
-            step(i, m, cute::true_type{});
+            step(m, cute::true_type{});
         } else {
-            step(i, m, cute::false_type{});
+            step(m, cute::false_type{});
         }
     }
 
