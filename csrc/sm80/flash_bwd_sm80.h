@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             Tensor rB = thr_sdp.partition_fragment_B(sV);
             gemm_smem(mma_sdp, acc_dp, rA, rB, sdO_a, sV_b, ldsm_sdp_a, ldsm_sdp_b);
         }
-        AlibiBias bias{};
+        [[maybe_unused]] AlibiBias bias{};
         if constexpr (kGeneral) {
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
             apply_mask(s_rc, cS_rc, mask, row0, col0);
