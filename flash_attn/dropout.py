@@ -1,0 +1,94 @@
+"""The attention-dropout mask: which scores are kept, defined once for the CUDA kernels and the
+reference path (issue 29, item 3).
+
+Status: the definition and its PyTorch implementation. No entry point uses it yet:
+``dropout_p > 0`` still raises ``NotImplementedError`` on every path; the kernels and the
+reference attention will both draw their masks from this definition.
+
+Definition. For query row ``i`` and key column ``j`` of a sequence (positions within the
+sequence, varlen too), query head ``h`` of batch entry (or varlen sequence) ``b``, with
+``nheads`` query heads and a generator state ``(seed, offset)``:
+
+* the 16 x 16 block of the element, ``I = i // 16``, ``J = j // 16``, and its place in it,
+  ``r = i % 16``, ``c = j % 16``;
+* ``lane = (r % 8) * 4 + (c % 8) // 2`` and ``half = (c // 8) * 4 + (r // 8) * 2 + c % 2``;
+* ``words = Philox4x32-10(counter=(32 * J + lane, I, b * nheads + h, offset mod 2^32),
+  key=(seed mod 2^32, seed >> 32))``, and the element's 16-bit random number is half
+  ``half % 2`` (low first) of ``words[half // 2]``;
+* the element is kept when that number is below ``round((1 - p) * 65536)``; kept
+  probabilities are scaled by ``1 / (1 - p)``.
+
+Why this shape: ``lane`` and ``half`` are the lane and the register of the element in the
+accumulator fragments of both kernel families (``mma.sync`` m16n8 on SM80, WGMMA on SM90: in
+each 16 x 8 atom lane ``4g + t`` holds rows ``g, g + 8`` and columns ``2t, 2t + 1``), so a
+forward thread computes exactly one Philox call per 16 x 16 block and uses all 8 of its
+numbers. The SM90 backward holds the transposed scores (keys as rows); its threads compute the
+same calls for the transposed block and move the numbers to the transposed fragment with
+``movmatrix.trans`` (16-bit), so no thread computes a call twice there either. 16 bits make the
+kept fraction exact to 2^-16.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # key increments (Weyl sequence)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a 32-bit constant and int64 tensors holding 32-bit
+    values, without leaving int64: b is multiplied by a's two 16-bit halves."""
+    ah, al = a >> 16, a & 0xFFFF
+    t1 = al * b  # < 2^48
+    t2 = ah * b  # < 2^48, weight 2^16
+    mid = ((t2 & 0xFFFF) << 16) + t1  # < 2^49
+    hi = (t2 >> 16) + (mid >> 32)
+    return hi & _MASK32, mid & _MASK32
+
+
+def philox4x32_10(counter: Tensor, key: Tuple[int, int]) -> Tensor:
+    """Philox4x32 with 10 rounds (Salmon et al., SC 2011) on int64 tensors of 32-bit values.
+    counter: (..., 4); key: two 32-bit ints. Returns (..., 4)."""
+    c0, c1, c2, c3 = (counter[..., i] & _MASK32 for i in range(4))
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    for rnd in range(10):
+        if rnd:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        hi0, lo0 = _mulhilo32(_M0, c0)
+        hi1, lo1 = _mulhilo32(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return torch.stack([c0, c1, c2, c3], dim=-1)
+
+
+def dropout_random16(seed: int, offset: int, bh: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """The 16-bit random numbers of the module's definition, int64 in [0, 65536), for the
+    broadcast of ``bh`` (b * nheads + h), ``rows`` (query rows i) and ``cols`` (key columns j)."""
+    bh, rows, cols = torch.broadcast_tensors(bh.long(), rows.long(), cols.long())
+    r, c = rows % 16, cols % 16
+    lane = (r % 8) * 4 + (c % 8) // 2
+    half = (c // 8) * 4 + (r // 8) * 2 + c % 2
+    counter = torch.stack(
+        [32 * (cols // 16) + lane, rows // 16, bh, torch.full_like(bh, offset & _MASK32)], dim=-1)
+    words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
+    word = torch.gather(words, -1, (half // 2).unsqueeze(-1)).squeeze(-1)
+    return (word >> (16 * (half % 2))) & 0xFFFF
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """Kept when the 16-bit number is below this: round((1 - p) * 65536)."""
+    return min(65536, max(0, round((1.0 - dropout_p) * 65536)))
+
+
+def dropout_keep_mask(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
+                      seqlen_k: int, dropout_p: float, device=None) -> Tensor:
+    """The keep mask of one call, bool (batch, nheads, seqlen_q, seqlen_k): True where the
+    score is kept (for varlen, sequence b's block [:, :, :len_q(b), :len_k(b)] of entry b)."""
+    bh = torch.arange(batch * nheads, device=device).view(batch, nheads, 1, 1)
+    rows = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    cols = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    return dropout_random16(seed, offset, bh, rows, cols) < keep_threshold(dropout_p)
