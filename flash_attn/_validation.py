@@ -6,8 +6,8 @@ given and what is expected:
 
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
-* ``NotImplementedError``: a valid combination this package does not implement (dropout, a
-  left-padded paged KV cache, a forced split count).
+* ``NotImplementedError``: a valid combination this package does not implement (dropout on
+  CUDA, a left-padded paged KV cache, a forced split count).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -74,6 +74,7 @@ class AttnArgs(NamedTuple):
     dtype: torch.dtype
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
     sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
+    dropout_p: float = 0.0  # > 0 only on CPU (the reference); flash_attn/dropout.py
 
 
 def check_inputs_enabled() -> bool:
@@ -295,16 +296,18 @@ def _check_options(
     deterministic,
     return_attn_probs,
 ):
-    """Returns (softmax_scale, causal, window_left, window_right, softcap), normalized."""
+    """Returns (softmax_scale, causal, window_left, window_right, softcap, dropout_p),
+    normalized."""
     if not _is_real(dropout_p):
         raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)
     if not (0.0 <= p < 1.0):
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if p > 0.0:
+    if p > 0.0 and device_type != "cpu":
         raise NotImplementedError(
-            f"{fn}: dropout is not implemented yet (got dropout_p={dropout_p!r}); pass "
-            f"dropout_p=0.0 (apply dropout outside attention if you need it)"
+            f"{fn}: dropout is not implemented by the CUDA kernels yet (got "
+            f"dropout_p={dropout_p!r}); the CPU reference implements it: pass dropout_p=0.0 "
+            f"(apply dropout outside attention if you need it), or CPU tensors"
         )
 
     if softmax_scale is None:
@@ -354,7 +357,7 @@ def _check_options(
     if type(return_attn_probs) is not bool:
         raise TypeError(f"{fn}: return_attn_probs must be a bool, got {return_attn_probs!r}")
 
-    return scale, causal, left, right, cap
+    return scale, causal, left, right, cap, p
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,7 +513,7 @@ def validate_qkv(
     """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,)."""
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
                                                                 varlen=False)
-    scale, causal, left, right, cap = _check_options(
+    scale, causal, left, right, cap, drop = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
     )
@@ -520,7 +523,7 @@ def validate_qkv(
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
-        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
+        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
     )
 
 
@@ -604,7 +607,7 @@ def validate_varlen_qkv(
                 f"{fn}: return_attn_probs=True with block_table is not implemented; pass "
                 f"return_attn_probs=False"
             )
-    scale, causal, left, right, cap = _check_options(
+    scale, causal, left, right, cap, drop = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
     )
@@ -638,7 +641,7 @@ def validate_varlen_qkv(
         headdim=headdim, softmax_scale=scale, causal=causal, window_left=left,
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
-        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
+        sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
     )
 
 
@@ -871,7 +874,7 @@ def validate_kvcache(
             )
     if type(return_softmax_lse) is not bool:
         raise TypeError(f"{fn}: return_softmax_lse must be a bool, got {return_softmax_lse!r}")
-    scale, causal, left, right, cap = _check_options(
+    scale, causal, left, right, cap, _ = _check_options(
         fn, device_type, headdim, 0.0, softmax_scale, causal, window_size, softcap,
         False, False,
     )

@@ -1,9 +1,10 @@
 """The attention-dropout mask: which scores are kept, defined once for the CUDA kernels and the
 reference path (issue 29, item 3).
 
-Status: the definition and its PyTorch implementation. No entry point uses it yet:
-``dropout_p > 0`` still raises ``NotImplementedError`` on every path; the kernels and the
-reference attention will both draw their masks from this definition.
+Status: the CPU reference path (flash_attn.reference) applies it; the CUDA kernels do not
+draw it yet (``dropout_p > 0`` on CUDA raises ``NotImplementedError``). A call's generator state
+is an int64 tensor ``rng_state = (seed, offset)`` (:func:`new_rng_state`), which the backward
+and ``return_attn_probs`` replay.
 
 Definition. For query row ``i`` and key column ``j`` of a sequence (positions within the
 sequence, varlen too), query head ``h`` of batch entry (or varlen sequence) ``b``, with
@@ -82,6 +83,26 @@ def dropout_random16(seed: int, offset: int, bh: Tensor, rows: Tensor, cols: Ten
 def keep_threshold(dropout_p: float) -> int:
     """Kept when the 16-bit number is below this: round((1 - p) * 65536)."""
     return min(65536, max(0, round((1.0 - dropout_p) * 65536)))
+
+
+def new_rng_state() -> Tensor:
+    """A call's (seed, offset), int64 (2,) on the CPU, drawn from torch's default CPU
+    generator: ``torch.manual_seed`` reproduces it. (The CUDA kernels will read theirs from the
+    CUDA generator inside the kernel, so that CUDA graphs replay fresh masks.)"""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64)
+
+
+def dropout_factor(rng_state: Tensor, dropout_p: float, entry0: int, entries: int, nheads: int,
+                   seqlen_q: int, seqlen_k: int, dtype: torch.dtype, device=None) -> Tensor:
+    """(entries, nheads, seqlen_q, seqlen_k): 1 / (1 - p) where the score is kept, 0 where it is
+    dropped, for the batch entries (varlen sequences) entry0 .. entry0 + entries - 1."""
+    seed, offset = (int(x) for x in rng_state.tolist())
+    bh = (torch.arange(entries, device=device).view(-1, 1, 1, 1) + entry0) * nheads + \
+        torch.arange(nheads, device=device).view(1, -1, 1, 1)
+    rows = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    cols = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    keep = dropout_random16(seed, offset, bh, rows, cols) < keep_threshold(dropout_p)
+    return keep.to(dtype) / (1.0 - dropout_p)
 
 
 def dropout_keep_mask(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,

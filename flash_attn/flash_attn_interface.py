@@ -15,7 +15,8 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0`` raises ``NotImplementedError``.
+* ``dropout_p > 0`` runs on the CPU reference (the mask of ``flash_attn/dropout.py``, drawn
+  from torch's CPU generator); on CUDA it raises ``NotImplementedError``.
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
   FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
   has it in its softmax; on CUDA the forward kernel's output and LSE are corrected for it
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from . import _validation as V
 from . import ops, reference
+from .dropout import new_rng_state
 
 __all__ = [
     "flash_attn_func",
@@ -63,19 +65,22 @@ def _forward(
     block_table: Optional[Tensor] = None,
     leftpad_k: Optional[Tensor] = None,
 ):
-    """(out, softmax_lse) of the forward op, on inputs made kernel-ready: a last dim with
-    stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back)."""
+    """(out, softmax_lse, rng_state) of the forward op, on inputs made kernel-ready: a last dim
+    with stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back).
+    rng_state: the dropout mask's generator state (flash_attn/dropout.py), drawn here from
+    torch's CPU generator when dropout_p > 0, else None."""
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     hd = a.headdim
     pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
     if pad:
         q, k, v = F.pad(q, [0, pad]), F.pad(k, [0, pad]), F.pad(v, [0, pad])
+    rng_state = new_rng_state() if a.dropout_p > 0.0 else None
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
-        kv_batch_idx, block_table, leftpad_k, a.alibi_slopes, a.sink,
+        kv_batch_idx, block_table, leftpad_k, a.alibi_slopes, a.sink, a.dropout_p, rng_state,
     )
-    return (out[..., :hd] if pad else out), lse
+    return (out[..., :hd] if pad else out), lse, rng_state
 
 
 def _attention(
@@ -91,14 +96,14 @@ def _attention(
     return_attn_probs: bool,
     block_table: Optional[Tensor] = None,
 ):
-    out, lse = _forward(q, k, v, a, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
-                        max_seqlen_k, deterministic, block_table=block_table)
+    out, lse, rng_state = _forward(q, k, v, a, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
+                                   max_seqlen_k, deterministic, block_table=block_table)
     if not return_attn_probs:
         return out
     probs = reference.attention_probs_ref(
         q.detach(), k.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
-        a.alibi_slopes,
+        a.alibi_slopes, a.dropout_p, rng_state,
     )
     return out, lse, probs
 
@@ -112,7 +117,8 @@ _RETURN_DOC = """
             that attend to no key (with a sink: the sink's logit).
         S_dmask [optional, if return_attn_probs=True]: {probs_shape}. The attention
             probabilities softmax(QK^T * scaling + ALiBi bias) with the masks applied (0 where
-            masked; a learnable sink's column left out),
+            masked; a learnable sink's column left out; with dropout, the dropped entries
+            negated, as FlashAttention-2 encodes them),
             materialized in PyTorch from q, k and softmax_lse, in float32 (float64 for float64
             inputs), without gradients. This is for testing only: it costs O(seqlen_q *
             seqlen_k) memory and is not what the kernel computes internally.
@@ -157,8 +163,11 @@ _SINK_ARGS_DOC = """
             ValueError."""
 
 _COMMON_ARGS_DOC = """
-        dropout_p: float. Dropout probability. Only 0.0 is supported (dropout is not
-            implemented yet; dropout_p > 0 raises NotImplementedError).""" + _SCORE_ARGS_DOC + """
+        dropout_p: float. Dropout probability, applied to the attention probabilities (kept
+            ones scaled by 1 / (1 - dropout_p)); 0.0 during evaluation. CPU tensors only for
+            now (the mask of flash_attn/dropout.py, drawn from torch's CPU generator, so
+            torch.manual_seed reproduces it); on CUDA dropout_p > 0 raises
+            NotImplementedError.""" + _SCORE_ARGS_DOC + """
         deterministic: bool. Whether to use the deterministic implementation of the backward
             pass: dq's partial sums are added in a fixed order, so repeated runs give bitwise
             equal gradients. Both CUDA kernel families implement it (the key tiles add their
@@ -570,8 +579,8 @@ def flash_attn_with_kvcache(
         keys, values, kv_batch_idx = k_cache[:a.batch], v_cache[:a.batch], None
     else:
         keys, values, kv_batch_idx = k_cache, v_cache, cache_batch_idx
-    out, lse = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
-                        False, kv_batch_idx, block_table, cache_leftpad)
+    out, lse, _ = _forward(q, keys, values, a, None, None, seqused_k, a.seqlen_q, a.seqlen_k,
+                           False, kv_batch_idx, block_table, cache_leftpad)
     return (out, lse) if c.return_softmax_lse else out
 
 

@@ -23,6 +23,9 @@ Semantics (shared with the CUDA kernels):
   log-sum-exp includes it. ``-inf`` is no sink.
 * A row with no kept column has output 0 and zero gradients, and log-sum-exp ``+inf``, or
   ``sink[h]`` with a sink (its softmax is the sink alone, which carries no value).
+* ``dropout_p > 0`` with ``rng_state`` (flash_attn/dropout.py): after the softmax, each
+  probability is dropped (0) or scaled by ``1 / (1 - dropout_p)`` as the mask of
+  :func:`flash_attn.dropout.dropout_factor` says; the log-sum-exp is that of the softmax.
 
 Everything is computed in float32 (float64 if any input is float64). ``out`` (and ``dq``,
 ``dk``, ``dv``) come back in the input dtype, ``softmax_lse`` always in float32 (as the kernels
@@ -38,6 +41,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from .dropout import dropout_factor
 
 __all__ = [
     "attention_forward_ref",
@@ -191,9 +196,9 @@ def _sink_logits(sink: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]
 
 
 def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-                   alibi=None, sink=None):
+                   alibi=None, sink=None, drop=None):
     """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (h,),
-    (b, h) or None; sink (h,) or None.
+    (b, h) or None; sink (h,) or None; drop: dropout's factor (b, h, sq, sk) or None.
 
     Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
     b, sq, h, d = q.shape
@@ -209,13 +214,13 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
         # Rows past seqused_k are never read (an unused cache slot may hold NaN; 0 * NaN = NaN).
         used = torch.arange(sk, device=q.device)[None, :] < seqused_k.to(q.device)[:, None].long()
         ve = ve.masked_fill(~used[:, :, None, None], 0)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, ve)
+    out = torch.einsum("bhqk,bkhd->bqhd", p if drop is None else p * drop, ve)
     return out, lse
 
 
 def _backward_dense(
     dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-    alibi=None, sink=None,
+    alibi=None, sink=None, drop=None,
 ):
     """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype).
     The sink only changes p (its column has no value, so the formulas are otherwise those
@@ -229,8 +234,10 @@ def _backward_dense(
         s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, _ = _masked_softmax(s, keep, _sink_logits(sink, s.dtype))
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p if drop is None else p * drop, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
+    if drop is not None:
+        dp = dp * drop  # the gradient reaching p through the dropped, scaled probabilities
     delta = (p * dp).sum(dim=-1, keepdim=True)  # == rowsum(dout * out)
     ds = p * (dp - delta)  # gradient w.r.t. the (capped) score; 0 where not kept
     if t is not None:
@@ -239,6 +246,22 @@ def _backward_dense(
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q)
     return dq, _reduce_kv_heads(dk, hk), _reduce_kv_heads(dv, hk)
+
+
+def _dropout(dropout_p: float, rng_state: Optional[Tensor], nheads: int, dtype: torch.dtype,
+             device):
+    """drop(entry0, entries, seqlen_q, seqlen_k): dropout's factor for those batch entries (or
+    the varlen sequence entry0), or None without dropout."""
+    if dropout_p == 0.0:
+        return lambda *args: None
+    if rng_state is None:
+        raise ValueError("flash_attn.reference: dropout_p > 0 needs its rng_state")
+
+    def drop(entry0: int, entries: int, seqlen_q: int, seqlen_k: int) -> Tensor:
+        return dropout_factor(rng_state, dropout_p, entry0, entries, nheads, seqlen_q,
+                              seqlen_k, dtype, device)
+
+    return drop
 
 
 def _empty_rows_lse(like: Tensor, nheads: int, rows: int, sink: Optional[Tensor]) -> Tensor:
@@ -271,6 +294,8 @@ def attention_forward_ref(
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference forward.
 
@@ -283,6 +308,8 @@ def attention_forward_ref(
         softmax_scale: default 1 / sqrt(headdim).
         causal, window_left, window_right, softcap, alibi_slopes: see the module docstring.
         sink: (nheads,) or None: the learnable sink's logits (module docstring).
+        dropout_p, rng_state: dropout (module docstring); rng_state (2,) int64 when
+            dropout_p > 0.
     Return:
         out: same shape and dtype as q, contiguous.
         softmax_lse: float32, (batch, nheads, seqlen_q), or
@@ -294,10 +321,11 @@ def attention_forward_ref(
     lse_dtype = torch.float32
     scale = _check_scale(softmax_scale, q.shape[-1])
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    drop = _dropout(dropout_p, rng_state, q.shape[-2], cdt, q.device)
     if cu_seqlens_q is None:
         out, lse = _forward_dense(
             qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes, sink,
+            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]),
         )
         return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
@@ -313,7 +341,7 @@ def attention_forward_ref(
         o, l = _forward_dense(
             qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
             scale, causal, window_left, window_right, softcap, None,
-            _sequence_slopes(alibi_slopes, b), sink,
+            _sequence_slopes(alibi_slopes, b), sink, drop(b, 1, q1 - q0, k1 - k0),
         )
         out_parts.append(o[0])
         lse_parts.append(l[0])
@@ -348,6 +376,8 @@ def attention_backward_ref(
     seqused_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: (dq, dk, dv) in the dtypes of (q, k, v), contiguous.
 
@@ -357,16 +387,18 @@ def attention_backward_ref(
     precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
     are summed over each GQA group. Rows with no kept key contribute nothing. ``sink`` (nheads,)
     is the forward's learnable sink (it changes the probabilities); its own gradient is
-    :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse.
+    :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse. ``dropout_p`` and
+    ``rng_state`` replay the forward's dropout mask.
     """
     del out, softmax_lse, max_seqlen_q, max_seqlen_k
     cdt = _compute_dtype(q, k, v, dout, sink)
     scale = _check_scale(softmax_scale, q.shape[-1])
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
+    drop = _dropout(dropout_p, rng_state, q.shape[-2], cdt, q.device)
     if cu_seqlens_q is None:
         dq, dk, dv = _backward_dense(
             doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes, sink,
+            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]),
         )
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
@@ -379,7 +411,7 @@ def attention_backward_ref(
             g = _backward_dense(
                 doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
                 vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
-                _sequence_slopes(alibi_slopes, b), sink,
+                _sequence_slopes(alibi_slopes, b), sink, drop(b, 1, q1 - q0, k1 - k0),
             )
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]
@@ -405,8 +437,12 @@ def attention_probs_ref(
     window_right: int = -1,
     softcap: float = 0.0,
     alibi_slopes: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tensor:
-    """The attention probabilities ``exp(s - softmax_lse)`` on kept entries, 0 elsewhere.
+    """The attention probabilities ``exp(s - softmax_lse)`` on kept entries, 0 elsewhere. With
+    dropout, the entries the mask drops are negated (FlashAttention-2's convention), the others
+    left unscaled.
 
     Used by ``return_attn_probs=True`` (testing only). Computed in float32 (float64 for float64
     inputs) and returned in that dtype, without gradients.
@@ -421,7 +457,9 @@ def attention_probs_ref(
         qc, kc = q.to(cdt), k.to(cdt)
         lse = softmax_lse.to(cdt)
 
-        def dense(qb, kb, lseb, alibi):
+        drop = _dropout(dropout_p, rng_state, q.shape[-2], cdt, q.device)
+
+        def dense(qb, kb, lseb, alibi, entry0):
             h = qb.shape[2]
             s, _ = _scores(qb, _expand_kv_heads(kb, h), scale, softcap)
             if alibi is not None:
@@ -429,10 +467,12 @@ def attention_probs_ref(
             keep = keep_mask(qb.shape[1], kb.shape[1], causal, window_left, window_right,
                              device=qb.device)
             # exp(s - (+inf)) = 0 on rows with nothing kept; where() also drops masked entries.
-            return torch.where(keep, torch.exp(s - lseb.unsqueeze(-1)), torch.zeros_like(s))
+            p = torch.where(keep, torch.exp(s - lseb.unsqueeze(-1)), torch.zeros_like(s))
+            factor = drop(entry0, qb.shape[0], qb.shape[1], kb.shape[1])
+            return p if factor is None else torch.where(factor > 0, p, -p)
 
         if cu_seqlens_q is None:
-            return dense(qc, kc, lse, alibi_slopes)
+            return dense(qc, kc, lse, alibi_slopes, 0)
         bq, bk = _seq_bounds(cu_seqlens_q), _seq_bounds(cu_seqlens_k)
         batch = len(bq) - 1
         lens_q = [bq[i + 1] - bq[i] for i in range(batch)]
@@ -452,7 +492,7 @@ def attention_probs_ref(
                 qc[bq[b]:bq[b + 1]].unsqueeze(0),
                 kc[bk[b]:bk[b + 1]].unsqueeze(0),
                 lse[:, bq[b]:bq[b + 1]].unsqueeze(0),
-                _sequence_slopes(alibi_slopes, b),
+                _sequence_slopes(alibi_slopes, b), b,
             )
             probs[b, :, : lens_q[b], : lens_k[b]] = p[0]
         return probs

@@ -123,9 +123,9 @@ def test_compile_kvcache_fullgraph():
 
 def test_compile_validation_error_surfaces():
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q: flash_attn_func(q, q, q, dropout_p=0.5),
+    compiled = torch.compile(lambda q: flash_attn_func(q, q, q, softcap=-1.0),
                              fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="dropout is not implemented"):
+    with pytest.raises(Exception, match="softcap must be"):
         compiled(torch.randn(1, 2, 2, 8))
 
 

@@ -313,15 +313,15 @@ def test_block_table_needs_paged_k():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_not_implemented(p):
-    q, k, v = qkv4()
-    with raises(NotImplementedError, "flash_attn_func", "dropout is not implemented yet",
-                f"dropout_p={p}"):
-        flash_attn_func(q, k, v, dropout_p=p)
-    with raises(NotImplementedError, "flash_attn_varlen_qkvpacked_func", "dropout"):
-        flash_attn_varlen_qkvpacked_func(torch.randn(4, 3, 2, 8),
-                                         torch.tensor([0, 4], dtype=torch.int32), 4,
-                                         dropout_p=p)
+def test_dropout_not_implemented_on_cuda(p):
+    """The CPU reference implements dropout (tests/test_dropout.py); a CUDA call raises before
+    any kernel runs, naming the argument and the CPU path."""
+    with raises(NotImplementedError, "flash_attn_func", "dropout is not implemented by the CUDA",
+                f"dropout_p={p}", "CPU"):
+        V._check_options("flash_attn_func", "cuda", 8, p, None, False, (-1, -1), 0.0, False,
+                         False)
+    assert V._check_options("flash_attn_func", "cpu", 8, p, None, False, (-1, -1), 0.0, False,
+                            False)[-1] == p
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 2.0, float("nan")])
@@ -401,8 +401,8 @@ def test_validation_happens_before_launch(monkeypatch):
 
     monkeypatch.setattr(ops, "flash_attn_fwd", boom)
     q, k, v = qkv4()
-    with pytest.raises(NotImplementedError):
-        flash_attn_func(q, k, v, dropout_p=0.5)
+    with pytest.raises(ValueError):
+        flash_attn_func(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError):
         flash_attn_func(q, k, v, softcap=-1.0)
 

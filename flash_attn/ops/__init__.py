@@ -26,7 +26,10 @@ float32 ``(nheads,)``), which ``_C`` does not take: the CPU kernels implement it
 reference; the CUDA ``_fwd`` joins it to the kernel's result (:func:`add_sink`), and the CUDA
 ``_bwd`` needs nothing of it (its ``softmax_lse`` already includes the sink). ``_fwd``'s
 autograd formula returns the sink's gradient, computed from ``out``, ``dout`` and
-``softmax_lse`` (:func:`sink_grad`).
+``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and ``rng_state``
+(int64 ``(2,)``: the mask's seed and offset, flash_attn/dropout.py), which ``_C`` does not take
+either: the CPU kernels apply the mask, the CUDA kernels raise ``NotImplementedError`` for
+``dropout_p > 0``.
 ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -51,7 +54,7 @@ from torch import Tensor
 from .. import reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
-           "sink_grad", "add_sink"]
+           "sink_grad", "add_sink", "reject_cuda_dropout"]
 
 _EXT = None
 
@@ -134,6 +137,16 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         + "; `python -m flash_attn` lists what was built.")
 
 
+def reject_cuda_dropout() -> None:
+    """The NotImplementedError of dropout on CUDA (validation raises it first for the public
+    entry points; the ops raise it for direct callers)."""
+    raise NotImplementedError(
+        "flash_attn: dropout is not implemented by the CUDA kernels yet; the CPU reference "
+        "implements it (flash_attn/dropout.py defines the mask): pass dropout_p=0.0, or CPU "
+        "tensors"
+    )
+
+
 def add_sink(out: Tensor, lse: Tensor, sink: Tensor, varlen: bool) -> Tuple[Tensor, Tensor]:
     """Joins a learnable sink to an attention result computed without it: with S a row's sum of
     exp(score) (lse = log S), the sink's row sum is S + exp(sink[h]), so
@@ -208,6 +221,8 @@ def _fwd_op(
     leftpad_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -217,7 +232,8 @@ def _fwd_op(
 @_fwd_op.register_kernel("cpu")
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
-             kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None):
+             kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None,
+             dropout_p=0.0, rng_state=None):
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
@@ -238,6 +254,7 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink,
+        dropout_p, rng_state,
     )
 
 
@@ -259,7 +276,9 @@ def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, T
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None):
+              sink=None, dropout_p=0.0, rng_state=None):
+    if dropout_p > 0.0:
+        reject_cuda_dropout()
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         out, lse = _empty_forward(q, cu_seqlens_q)
@@ -281,7 +300,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None):
+              sink=None, dropout_p=0.0, rng_state=None):
     out = q.new_empty(q.shape)  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -317,6 +336,8 @@ def _bwd_op(
     deterministic: bool,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_bwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -326,21 +347,23 @@ def _bwd_op(
 @_bwd_op.register_kernel("cpu")
 def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-             deterministic, alibi_slopes=None, sink=None):
+             deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
     # The reference is deterministic whatever `deterministic` says.
     return reference.attention_backward_ref(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-        alibi_slopes=alibi_slopes, sink=sink,
+        alibi_slopes=alibi_slopes, sink=sink, dropout_p=dropout_p, rng_state=rng_state,
     )
 
 
 @_bwd_op.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None, sink=None):
+              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
     # The sink needs nothing here: softmax_lse includes it, and P = exp(S - lse) is then the
     # probability of each key with the sink in the denominator.
+    if dropout_p > 0.0:
+        reject_cuda_dropout()
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)
@@ -356,7 +379,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None, sink=None):
+              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -379,6 +402,8 @@ def flash_attn_bwd(
     deterministic: bool,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable (the sink's
     gradient is :func:`sink_grad`).
@@ -390,10 +415,10 @@ def flash_attn_bwd(
     """
     args = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, alibi_slopes, sink)
+            deterministic, alibi_slopes, sink, dropout_p, rng_state)
     if (torch.compiler.is_compiling() or torch.is_grad_enabled()
             or not _direct_call_ok(q, dout, k, v, out, softmax_lse, cu_seqlens_q,
-                                   cu_seqlens_k, alibi_slopes, sink)):
+                                   cu_seqlens_k, alibi_slopes, sink, rng_state)):
         return _bwd_op(*args)
     return _bwd_cuda(*args) if q.is_cuda else _bwd_cpu(*args)
 
@@ -406,10 +431,11 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink) = inputs
+     kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
-                          alibi_slopes, sink)
+                          alibi_slopes, sink, rng_state)
+    ctx.dropout_p = dropout_p
     ctx.has_seqused_k = seqused_k is not None
     ctx.paged = block_table is not None
     ctx.left_padded = leftpad_k is not None
@@ -427,7 +453,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
-     alibi_slopes, sink) = ctx.saved_tensors
+     alibi_slopes, sink, rng_state) = ctx.saved_tensors
     if ctx.left_padded:
         raise NotImplementedError(
             "flash_attn: the backward pass does not support a left-padded K/V (cache_leftpad; "
@@ -456,13 +482,14 @@ def _backward(ctx, dout, dlse):
             dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
             ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left,
             ctx.window_right, ctx.softcap, ctx.deterministic, alibi_slopes, sink,
+            ctx.dropout_p, rng_state,
         )
         if idx is not None:  # entries read by several query batches sum their gradients
             dk = torch.zeros_like(k).index_add_(0, idx, dk)
             dv = torch.zeros_like(v).index_add_(0, idx, dv)
     if sink is not None and needs[18]:
         dsink = sink_grad(dout, out, lse, sink, cu_seqlens_q is not None)
-    return (dq, dk, dv) + (None,) * 15 + (dsink,)
+    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None)
 
 
 def sink_grad(dout: Tensor, out: Tensor, softmax_lse: Tensor, sink: Tensor,
@@ -527,6 +554,8 @@ def flash_attn_fwd(
     leftpad_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k, v and the sink
     (softmax_lse is not differentiable).
@@ -539,11 +568,12 @@ def flash_attn_fwd(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink)
+            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
-                                                             leftpad_k, alibi_slopes, sink):
+                                                             leftpad_k, alibi_slopes, sink,
+                                                             rng_state):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):
