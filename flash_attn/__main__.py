@@ -89,7 +89,9 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
          "SM90 where a page holds whole key blocks, else SM80", "SM80"),
         ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),
         ("deterministic=True backward", sm90(bwd90, ""), "SM80"),
-        ("dropout_p > 0", unsupported, unsupported),
+        ("learnable sink (s_aux)", sm90(fwd90, ", then an output pass (ops.add_sink)"),
+         "SM80, then an output pass (ops.add_sink)"),
+        ("dropout_p > 0 (CPU: the reference)", unsupported, unsupported),
     ]
 
 

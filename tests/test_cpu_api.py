@@ -674,4 +674,5 @@ def test_main_lists_features_by_code_path():
     assert "NotImplementedError" not in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward with alibi_slopes"]
-    assert lines["dropout_p > 0"].count("NotImplementedError") == 2
+    assert lines["dropout_p > 0 (CPU: the reference)"].count("NotImplementedError") == 2
+    assert "ops.add_sink" in lines["learnable sink (s_aux)"]
