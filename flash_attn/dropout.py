@@ -26,7 +26,13 @@ forward thread computes exactly one Philox call per 16 x 16 block and uses all 8
 numbers. The SM90 backward holds the transposed scores (keys as rows); its threads compute the
 same calls for the transposed block and move the numbers to the transposed fragment with
 ``movmatrix.trans`` (16-bit), so no thread computes a call twice there either. 16 bits make the
-kept fraction exact to 2^-16.
+kept fraction exact to 2^-16. This holds where a warp's 16 rows start at a multiple of 16:
+the SM90 forward's end-aligned band tiles and its GQA-packed rows do not, so under dropout
+those kernels turn end alignment and packing off (or a thread computes two calls per block).
+
+Reproducibility: ``torch.manual_seed`` reproduces a call's mask within one execution mode;
+under ``torch.compile`` with inductor, ``torch.randint`` draws from inductor's own generator
+stream, so a compiled call and an eager one with the same seed draw different masks.
 """
 
 from __future__ import annotations
@@ -92,17 +98,36 @@ def new_rng_state() -> Tensor:
     return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64)
 
 
+def _block_random16(seed: int, offset: int, bh: Tensor, row_blocks: int,
+                    col_blocks: int) -> Tensor:
+    """The numbers of whole 16 x 16 blocks, one Philox call per (block, lane) as the kernels
+    compute them: (len(bh), 16 * row_blocks, 16 * col_blocks)."""
+    dev = bh.device
+    r = torch.arange(16, device=dev).view(-1, 1)
+    c = torch.arange(16, device=dev).view(1, -1)
+    lane = (r % 8) * 4 + (c % 8) // 2  # (16, 16): the element's lane and its number there
+    half = (c // 8) * 4 + (r // 8) * 2 + c % 2
+    counter = torch.stack(torch.broadcast_tensors(
+        32 * torch.arange(col_blocks, device=dev).view(1, 1, -1, 1)
+        + torch.arange(32, device=dev).view(1, 1, 1, -1),
+        torch.arange(row_blocks, device=dev).view(1, -1, 1, 1),
+        bh.long().view(-1, 1, 1, 1),
+        torch.tensor(offset & _MASK32, device=dev)), dim=-1)  # (bh, I, J, lane, 4)
+    words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
+    halves = torch.stack([words & 0xFFFF, words >> 16], dim=-1).flatten(-2)  # (.., lane, 8)
+    block = halves[:, :, :, lane, half]  # (bh, I, J, 16, 16)
+    return block.permute(0, 1, 3, 2, 4).reshape(bh.numel(), 16 * row_blocks, 16 * col_blocks)
+
+
 def dropout_factor(rng_state: Tensor, dropout_p: float, entry0: int, entries: int, nheads: int,
                    seqlen_q: int, seqlen_k: int, dtype: torch.dtype, device=None) -> Tensor:
     """(entries, nheads, seqlen_q, seqlen_k): 1 / (1 - p) where the score is kept, 0 where it is
     dropped, for the batch entries (varlen sequences) entry0 .. entry0 + entries - 1."""
     seed, offset = (int(x) for x in rng_state.tolist())
-    bh = (torch.arange(entries, device=device).view(-1, 1, 1, 1) + entry0) * nheads + \
-        torch.arange(nheads, device=device).view(1, -1, 1, 1)
-    rows = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    cols = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-    keep = dropout_random16(seed, offset, bh, rows, cols) < keep_threshold(dropout_p)
-    return keep.to(dtype) / (1.0 - dropout_p)
+    bh = torch.arange(entry0 * nheads, (entry0 + entries) * nheads, device=device)
+    numbers = _block_random16(seed, offset, bh, -(-seqlen_q // 16), -(-seqlen_k // 16))
+    keep = numbers[:, :seqlen_q, :seqlen_k] < keep_threshold(dropout_p)
+    return keep.view(entries, nheads, seqlen_q, seqlen_k).to(dtype) / (1.0 - dropout_p)
 
 
 def dropout_keep_mask(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,

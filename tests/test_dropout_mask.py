@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flash_attn.dropout import (
+    dropout_factor,
     dropout_keep_mask,
     dropout_random16,
     keep_threshold,
@@ -104,3 +105,48 @@ def test_numbers_are_uniform_and_neighbours_independent():
     assert abs(corr(u[:, 1:], u[:, :-1])) < limit  # next row
     assert abs(corr(u[1:], u[:-1])) < limit  # next head
     assert abs(corr(u[:, :, 16:], u[:, :, :-16])) < limit  # next 16-column block
+
+
+def _philox_scalar(counter, key):
+    """Philox4x32-10 on Python ints, written from the paper's description (independent of the
+    module's tensor code)."""
+    m = 0xFFFFFFFF
+    c, k = list(counter), list(key)
+    for rnd in range(10):
+        if rnd:
+            k = [(k[0] + 0x9E3779B9) & m, (k[1] + 0xBB67AE85) & m]
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k[0]) & m, p1 & m, ((p0 >> 32) ^ c[3] ^ k[1]) & m, p0 & m]
+    return c
+
+
+def _number_scalar(seed, offset, bh, i, j):
+    """The module docstring's definition, element by element."""
+    r, c = i % 16, j % 16
+    lane = (r % 8) * 4 + (c % 8) // 2
+    half = (c // 8) * 4 + (r // 8) * 2 + c % 2
+    words = _philox_scalar((32 * (j // 16) + lane, i // 16, bh, offset & 0xFFFFFFFF),
+                           (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    return (words[half // 2] >> (16 * (half % 2))) & 0xFFFF
+
+
+def test_tensor_code_matches_the_written_definition():
+    """dropout_random16 and dropout_factor (one call per block and lane) against a scalar
+    rendering of the docstring's definition at random elements, 62-bit seeds and offsets."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        seed, offset = rng.getrandbits(62), rng.getrandbits(62)
+        bh, i, j = rng.randrange(64), rng.randrange(5000), rng.randrange(5000)
+        want = _number_scalar(seed, offset, bh, i, j)
+        got = dropout_random16(seed, offset, torch.tensor(bh), torch.tensor(i), torch.tensor(j))
+        assert int(got) == want
+    seed, offset, p = 0x2F00_1234_ABCD, 3, 0.4
+    nheads, entry0 = 3, 2
+    factor = dropout_factor(torch.tensor([seed, offset]), p, entry0, 2, nheads, 21, 35,
+                            torch.float64)
+    for _ in range(200):
+        e, h, i, j = rng.randrange(2), rng.randrange(nheads), rng.randrange(21), rng.randrange(35)
+        kept = _number_scalar(seed, offset, (entry0 + e) * nheads + h, i, j) < keep_threshold(p)
+        assert factor[e, h, i, j].item() == (1 / (1 - p) if kept else 0.0)

@@ -52,7 +52,9 @@ struct DqTurns {
 
 // Deterministic grids launch a (batch, head)'s key tiles from the highest down: a tile waits
 // only for tiles launched before it, which hold an SM or are done, so none waits for a tile
-// that cannot start.
+// that cannot start. This relies on CTAs starting in blockIdx order, which CUDA does not
+// promise but the hardware does for a 1-D grid (FlashAttention-3's deterministic mode relies on
+// the same).
 __forceinline__ __device__ int key_tile_of_launch(int launch_index, int n_blocks,
                                                   bool deterministic) {
     return deterministic ? n_blocks - 1 - launch_index : launch_index;
