@@ -75,6 +75,7 @@ class AttnArgs(NamedTuple):
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
     sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
     dropout_p: float = 0.0  # > 0 only on CPU (the reference); flash_attn/dropout.py
+    headdim_v: Optional[int] = None  # v's head dim where it may differ (MLA); None: headdim
 
 
 def check_inputs_enabled() -> bool:
@@ -202,11 +203,25 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
         )
 
 
+def _check_headdim_v(fn: str, nv: str, headdim: int, headdim_v: int, device_type: str) -> None:
+    """v's head dim where it may differ from q's and k's: any on CPU (the reference), equal on
+    CUDA until the kernels take other pairs."""
+    if headdim_v <= 0:
+        raise ValueError(f"{fn}: headdim_v (last dim of {nv}) must be > 0, got {headdim_v}")
+    if headdim_v != headdim and device_type != "cpu":
+        raise NotImplementedError(
+            f"{fn}: a v head dim ({headdim_v}) other than q's and k's ({headdim}) is not "
+            f"implemented by the CUDA kernels yet; the CPU reference implements it: pass CPU "
+            f"tensors, or equal head dims"
+        )
+
+
 def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True,
-                       paged: bool = False):
+                       paged: bool = False, headdim_v_differs: bool = False):
     """Type / device / dtype / rank / shape checks shared by the batched and varlen paths
     (`same_batch` False: k and v may hold more sequences than q, as a KV cache does; `paged`:
-    varlen q with k and v in pages (num_blocks, page_block_size, nheads_k, headdim)).
+    varlen q with k and v in pages (num_blocks, page_block_size, nheads_k, headdim);
+    `headdim_v_differs`: v's last dim may differ from q's and k's, as in MLA).
 
     Returns (nheads, nheads_k, headdim, device_type)."""
     nq, nk, nv = names
@@ -242,7 +257,12 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
         _check_rank(fn, nk, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
         _check_rank(fn, nv, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
     q_shape, k_shape = q.shape, k.shape
-    if k_shape != v.shape:
+    if headdim_v_differs and k_shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"{fn}: {nk} and {nv} must have the same shape but for the last dim (headdim, "
+            f"headdim_v), got {nk} {tuple(k.shape)} and {nv} {tuple(v.shape)}"
+        )
+    if not headdim_v_differs and k_shape != v.shape:
         raise ValueError(
             f"{fn}: {nk} and {nv} must have the same shape, got {nk} {tuple(k.shape)} and "
             f"{nv} {tuple(v.shape)}"
@@ -265,6 +285,7 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
             f"{fn}: headdim (last dim of {nq}) must be <= {MAX_HEADDIM_CUDA} on CUDA, got "
             f"{headdim}"
         )
+    _check_headdim_v(fn, nv, headdim, v.shape[-1], device_type)
     nheads, nheads_k = q_shape[-2], k_shape[-2]
     if nheads_k <= 0 or nheads <= 0:
         raise ValueError(
@@ -512,7 +533,8 @@ def validate_qkv(
 ) -> AttnArgs:
     """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,)."""
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
-                                                                varlen=False)
+                                                                varlen=False,
+                                                                headdim_v_differs=True)
     scale, causal, left, right, cap, drop = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
@@ -524,6 +546,7 @@ def validate_qkv(
         softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
+        headdim_v=v.shape[-1],
     )
 
 
@@ -587,7 +610,8 @@ def validate_varlen_qkv(
     page_block_size, hk, d)."""
     paged = block_table is not None
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
-                                                                varlen=True, paged=paged)
+                                                                varlen=True, paged=paged,
+                                                                headdim_v_differs=True)
     nq, nk = names[0], names[1]
     cq, ck = cu_names
     _check_cu_seqlens(fn, cq, cu_seqlens_q, nq, q)
@@ -642,6 +666,7 @@ def validate_varlen_qkv(
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
+        headdim_v=v.shape[-1],
     )
 
 

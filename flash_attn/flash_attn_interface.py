@@ -70,17 +70,20 @@ def _forward(
     rng_state: the dropout mask's generator state (flash_attn/dropout.py), drawn here from
     torch's CPU generator when dropout_p > 0, else None."""
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
-    hd = a.headdim
-    pad = -hd % 8  # zero-pad the head dim to a multiple of 8, as the kernels need
+    pad = -a.headdim % 8  # zero-pad the head dims to a multiple of 8, as the kernels need
     if pad:
-        q, k, v = F.pad(q, [0, pad]), F.pad(k, [0, pad]), F.pad(v, [0, pad])
+        q, k = F.pad(q, [0, pad]), F.pad(k, [0, pad])
+    hd = v.shape[-1]  # the output's head dim (v's: it may differ from q's and k's)
+    pad_v = -hd % 8
+    if pad_v:
+        v = F.pad(v, [0, pad_v])
     rng_state = new_rng_state() if a.dropout_p > 0.0 else None
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
         kv_batch_idx, block_table, leftpad_k, a.alibi_slopes, a.sink, a.dropout_p, rng_state,
     )
-    return (out[..., :hd] if pad else out), lse, rng_state
+    return (out[..., :hd] if pad_v else out), lse, rng_state
 
 
 def _attention(
@@ -125,12 +128,12 @@ _RETURN_DOC = """
 """
 
 _BATCHED_RETURN = _RETURN_DOC.format(
-    out_shape="(batch_size, seqlen, nheads, headdim)",
+    out_shape="(batch_size, seqlen, nheads, headdim_v)",
     lse_shape="(batch_size, nheads, seqlen)",
     probs_shape="(batch_size, nheads, seqlen_q, seqlen_k)",
 )
 _VARLEN_RETURN = _RETURN_DOC.format(
-    out_shape="(total, nheads, headdim)",
+    out_shape="(total, nheads, headdim_v)",
     lse_shape="(nheads, total_q_seqlen)",
     probs_shape="(batch_size, nheads, max_seqlen_q, max_seqlen_k),\n            zero "
     "beyond each sequence's lengths",
@@ -333,7 +336,9 @@ flash_attn_func.__doc__ = (
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim)
-        v: (batch_size, seqlen_k, nheads_k, headdim)"""
+        v: (batch_size, seqlen_k, nheads_k, headdim_v). headdim_v may differ from headdim
+            (MLA, e.g. 192 / 128) on CPU tensors; on CUDA it must equal headdim for now
+            (NotImplementedError)."""
     + _COMMON_ARGS_DOC_SINK
     + _BATCHED_RETURN
 )
@@ -498,9 +503,10 @@ flash_attn_varlen_func.__doc__ = (
         k: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
             batch; or (num_blocks, page_block_size, nheads_k, headdim) if there's a
             block_table (i.e. paged KV cache).
-        v: (total_k, nheads_k, headdim), where total_k = total number of key tokens in the
-            batch; or (num_blocks, page_block_size, nheads_k, headdim) if there's a
-            block_table.
+        v: (total_k, nheads_k, headdim_v), where total_k = total number of key tokens in the
+            batch; or (num_blocks, page_block_size, nheads_k, headdim_v) if there's a
+            block_table. headdim_v may differ from headdim on CPU tensors (as in
+            flash_attn_func).
         cu_seqlens_q: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
             of the sequences in the batch, used to index into q.
         cu_seqlens_k: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths

@@ -16,7 +16,9 @@ Semantics (shared with the CUDA kernels):
 * ``alibi_slopes`` (optional, ``(nheads,)`` or ``(batch, nheads)``): the bias
   ``-slope * |i + shift - j|`` (``shift`` as for the masks) is added to ``s`` of query head
   ``h`` (after the softcap), with ``slope = alibi_slopes[h]`` or ``alibi_slopes[b, h]``.
-* Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA).
+* Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA). v's head
+  dim may differ from q's and k's (MLA); the output has v's, ``softmax_scale`` defaults to
+  ``1 / sqrt`` of q's.
 * ``sink`` (optional, ``(nheads,)``, the learnable sink of gpt-oss): the logit ``sink[h]``
   joins the softmax denominator of every row of query head ``h`` without a value vector:
   ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink[h]))`` over the kept ``k``, and the
@@ -348,10 +350,11 @@ def attention_forward_ref(
         covered = q1
     # Rows past cu_seqlens_q[-1] (if any) belong to no sequence: they attend to no key (output
     # 0, lse +inf, or the sink's logit).
+    dv = v.shape[-1]
     if covered < total_q:
-        out_parts.append(qc.new_zeros(total_q - covered, h, d))
+        out_parts.append(qc.new_zeros(total_q - covered, h, dv))
         lse_parts.append(_empty_rows_lse(qc, h, total_q - covered, sink))
-    out = torch.cat(out_parts, dim=0) if out_parts else qc.new_zeros(total_q, h, d)
+    out = torch.cat(out_parts, dim=0) if out_parts else qc.new_zeros(total_q, h, dv)
     lse = torch.cat(lse_parts, dim=1) if lse_parts else _empty_rows_lse(qc, h, total_q, sink)
     return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 

@@ -264,9 +264,15 @@ def _kv_entries(kv_batch_idx: Tensor, k: Tensor) -> Tensor:
     return kv_batch_idx.long().clamp(0, k.shape[0] - 1)
 
 
-def _empty_forward(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _out_shape(q: Tensor, v: Tensor) -> Tuple[int, ...]:
+    """out has q's shape with v's head dim (which may differ from q's)."""
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
+
+
+def _empty_forward(q: Tensor, v: Tensor,
+                   cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     # Nothing to launch: no query rows, or no keys at all (every row then has no kept key).
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.full(_lse_shape(q, cu_seqlens_q), float("inf"), dtype=torch.float32,
                      device=q.device)
     return out, lse
@@ -281,7 +287,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
         reject_cuda_dropout()
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
-        out, lse = _empty_forward(q, cu_seqlens_q)
+        out, lse = _empty_forward(q, v, cu_seqlens_q)
     else:
         require_kernel("fwd", q.dtype, q.shape[-1], q.device)
         ext = load_extension()
@@ -301,7 +307,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
               sink=None, dropout_p=0.0, rng_state=None):
-    out = q.new_empty(q.shape)  # contiguous, like the real implementations
+    out = q.new_empty(_out_shape(q, v))  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
 

@@ -1,0 +1,84 @@
+"""A v head dim other than q's and k's (MLA-style 192/128, 128/64, 256/128, and an odd one) on
+the CPU reference path: out (headdim_v wide) and its gradients against an explicit float64
+attention and gradcheck, batched and varlen, GQA and causal, the shapes of everything
+returned, and the NotImplementedError a CUDA call gets (issue 30 item 4; the kernels do not
+take it yet).
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn import flash_attn_func, flash_attn_varlen_func
+from flash_attn import _validation as V
+
+F64 = torch.float64
+
+
+def explicit(q, k, v, causal=False):
+    """float64 q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if causal:
+        i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (256, 128), (40, 13)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batched(d, dv, causal):
+    torch.manual_seed(0)
+    q = torch.randn(2, 9, 4, d, dtype=F64, requires_grad=True)
+    k = torch.randn(2, 11, 2, d, dtype=F64, requires_grad=True)
+    v = torch.randn(2, 11, 2, dv, dtype=F64, requires_grad=True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 9, 4, dv) and lse.shape == (2, 4, 9)
+    ref = explicit(q, k, v, causal)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, a, r in zip("qkv", grads, grads_ref):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, atol=1e-11, rtol=1e-9, msg=f"d{name}")
+
+
+def test_gradcheck():
+    torch.manual_seed(1)
+    q = torch.randn(1, 5, 2, 24, dtype=F64, requires_grad=True)
+    k = torch.randn(1, 7, 1, 24, dtype=F64, requires_grad=True)
+    v = torch.randn(1, 7, 1, 16, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=True),
+                                    (q, k, v))
+
+
+def test_varlen():
+    torch.manual_seed(2)
+    lens_q, lens_k, h, d, dv = [3, 0, 8], [5, 2, 8], 2, 32, 16
+    cu_q = torch.tensor([0, 3, 3, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 15], dtype=torch.int32)
+    q = torch.randn(11, h, d, dtype=F64)
+    k = torch.randn(15, h, d, dtype=F64)
+    v = torch.randn(15, h, dv, dtype=F64)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+    assert out.shape == (11, h, dv)
+    for b in range(3):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 > q0:
+            ref = explicit(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True)
+            torch.testing.assert_close(out[q0:q1], ref[0], atol=1e-12, rtol=1e-10)
+
+
+def test_shape_errors_and_cuda():
+    q = torch.randn(1, 4, 2, 16)
+    k = torch.randn(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="same shape but for the last dim"):
+        flash_attn_func(q, k, torch.randn(1, 5, 2, 8))
+    with pytest.raises(NotImplementedError, match=r"v head dim \(8\).*CUDA kernels"):
+        V._check_headdim_v("flash_attn_func", "v", 16, 8, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 16, 16, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 16, 8, "cpu")
