@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _fp8
 from . import _validation as V
 from . import ops, reference
 from .dropout import new_rng_state
@@ -179,6 +180,14 @@ _COMMON_ARGS_DOC = """
             is for testing only: the probabilities are recomputed in PyTorch (see below)."""
 _COMMON_ARGS_DOC_SINK = _COMMON_ARGS_DOC + _SINK_ARGS_DOC
 
+_FP8_ARGS_DOC = """
+        q_descale, k_descale, v_descale [optional]: (batch_size, nheads_k), float32, for
+            q, k, v in torch.float8_e4m3fn (FlashAttention-3's names): attention of
+            x.float() * descale (query head h of sequence b uses its key/value head's entry;
+            None: 1), returned in bfloat16. CPU tensors only for now (the reference); on CUDA
+            FP8 inputs raise NotImplementedError, and so does a backward through an FP8
+            forward."""
+
 _MASK_DOC = """
     If causal=True, the causal mask is aligned to the bottom right corner of the attention
     matrix. For example, if seqlen_q = 2 and seqlen_k = 5, the causal mask (1 = keep,
@@ -313,8 +322,21 @@ def flash_attn_func(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_func"
+    if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
+        grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
+        qf, kf, vf = _fp8.dequantize(fn, q, k, v, q_descale, k_descale, v_descale)
+        res = flash_attn_func(qf, kf, vf, dropout_p, softmax_scale, causal, window_size,
+                              softcap, alibi_slopes, deterministic, return_attn_probs, s_aux,
+                              learnable_sink)
+        if return_attn_probs:
+            return (_fp8.finish(res[0], grad),) + tuple(res[1:])
+        return _fp8.finish(res, grad)
+    _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -340,6 +362,7 @@ flash_attn_func.__doc__ = (
             (MLA, e.g. 192 / 128) on CPU tensors; on CUDA it must equal headdim for now
             (NotImplementedError)."""
     + _COMMON_ARGS_DOC_SINK
+    + _FP8_ARGS_DOC
     + _BATCHED_RETURN
 )
 
@@ -473,8 +496,25 @@ def flash_attn_varlen_func(
     block_table=None,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_varlen_func"
+    if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
+        if block_table is not None:
+            raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
+        grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
+        qf, kf, vf = _fp8.dequantize(fn, q, k, v, q_descale, k_descale, v_descale,
+                                     cu_seqlens_q, cu_seqlens_k)
+        res = flash_attn_varlen_func(qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_p, softmax_scale, causal,
+                                     window_size, softcap, alibi_slopes, deterministic,
+                                     return_attn_probs, None, s_aux, learnable_sink)
+        if return_attn_probs:
+            return (_fp8.finish(res[0], grad),) + tuple(res[1:])
+        return _fp8.finish(res, grad)
+    _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
     a = V.validate_varlen_qkv(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -522,6 +562,7 @@ flash_attn_varlen_func.__doc__ = (
             of flash_attn_with_kvcache). Forward only (a backward raises
             NotImplementedError), without return_attn_probs."""
     + _SINK_ARGS_DOC
+    + _FP8_ARGS_DOC
     + _VARLEN_RETURN
 )
 

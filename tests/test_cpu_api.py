@@ -76,12 +76,14 @@ def test_exports_and_version():
 
 def test_signatures_match_flash_attention_2():
     """FlashAttention-2's parameters, in its order, then ours: the learnable sink under its two
-    names (s_aux, learnable_sink), last so that FlashAttention-2's positional calls work."""
+    names (s_aux, learnable_sink), and FlashAttention-3's FP8 descales on flash_attn_func and
+    flash_attn_varlen_func, last so that FlashAttention-2's positional calls work."""
     common = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
               "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
     sink = "s_aux=None, learnable_sink=None"
+    fp8 = "q_descale=None, k_descale=None, v_descale=None"
     expected = {
-        flash_attn_func: f"(q, k, v, {common}, {sink})",
+        flash_attn_func: f"(q, k, v, {common}, {sink}, {fp8})",
         flash_attn_qkvpacked_func: f"(qkv, {common}, {sink})",
         flash_attn_kvpacked_func: f"(q, kv, {common}, {sink})",
         flash_attn_varlen_qkvpacked_func: f"(qkv, cu_seqlens, max_seqlen, {common}, {sink})",
@@ -90,7 +92,7 @@ def test_signatures_match_flash_attention_2():
             f"{sink})",
         flash_attn_varlen_func:
             f"(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
-            f"block_table=None, {sink})",
+            f"block_table=None, {sink}, {fp8})",
         flash_attn_with_kvcache:
             "(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
             "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
