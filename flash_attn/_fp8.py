@@ -36,15 +36,9 @@ def _descale(fn: str, name: str, d: Optional[Tensor], batch: int, nheads_k: int,
     return d
 
 
-def dequantize(fn: str, q, k, v, q_descale, k_descale, v_descale,
-               cu_seqlens_q: Optional[Tensor] = None,
-               cu_seqlens_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """float32 q, k, v = x.float() * descale, for FP8 q, k, v (checked here: all e4m3, on the
-    CPU, descales float32 (batch, nheads_k)). Batched: (b, s, h, d); varlen: (total, h, d) with
-    each token's sequence read from cu_seqlens. The result carries no gradient to the FP8
-    inputs."""
-    names = ("q", "k", "v")
-    for name, x in zip(names, (q, k, v)):
+def check_inputs(fn: str, q, k, v) -> None:
+    """An FP8 call's q, k, v: all float8_e4m3fn, on the CPU (the reference)."""
+    for name, x in zip(("q", "k", "v"), (q, k, v)):
         if not is_fp8(x):
             raise TypeError(
                 f"{fn}: q, k and v must all be float8_e4m3fn for an FP8 call, got {name} of "
@@ -55,28 +49,36 @@ def dequantize(fn: str, q, k, v, q_descale, k_descale, v_descale,
             f"{fn}: FP8 (float8_e4m3fn) inputs are not implemented by the CUDA kernels yet; "
             f"the CPU reference implements them: pass CPU tensors, or bf16/fp16 inputs"
         )
+
+
+def apply_descales(fn: str, q: Tensor, k: Tensor, v: Tensor, q_descale, k_descale, v_descale,
+                   cu_seqlens_q: Optional[Tensor] = None,
+                   cu_seqlens_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """x * descale for the float32 q, k, v of an FP8 call, already validated as attention
+    inputs (batched (b, s, h, d), or varlen (total, h, d) with each token's sequence read from
+    cu_seqlens). The descales (float32 (batch, nheads_k), None: 1) carry no gradient."""
     varlen = cu_seqlens_q is not None
     nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if nheads_k <= 0 or nheads % nheads_k != 0:
-        raise ValueError(f"{fn}: nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
     batch = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
     group = nheads // nheads_k
 
     def apply(x: Tensor, d: Tensor, cu: Optional[Tensor]) -> Tensor:
         per_head = d.repeat_interleave(group, dim=1) if x.shape[-2] == nheads else d
-        xf = x.detach().float()
         if not varlen:
-            return xf * per_head[:, None, :, None]
-        lengths = (cu[1:] - cu[:-1]).long()
-        rows = torch.repeat_interleave(per_head, lengths, dim=0)
-        if rows.shape[0] < xf.shape[0]:  # tokens past cu[-1]: no sequence, scale 1
-            rows = torch.cat([rows, rows.new_ones(xf.shape[0] - rows.shape[0], rows.shape[1])])
-        return xf * rows[:, :, None]
+            return x * per_head[:, None, :, None]
+        rows = torch.repeat_interleave(per_head, (cu[1:] - cu[:-1]).long(), dim=0)
+        return x * rows[:, :, None]
 
-    qd = _descale(fn, "q_descale", q_descale, batch, nheads_k, q.device)
-    kd = _descale(fn, "k_descale", k_descale, batch, nheads_k, q.device)
-    vd = _descale(fn, "v_descale", v_descale, batch, nheads_k, q.device)
+    qd = _descale(fn, "q_descale", q_descale, batch, nheads_k, q.device).detach()
+    kd = _descale(fn, "k_descale", k_descale, batch, nheads_k, q.device).detach()
+    vd = _descale(fn, "v_descale", v_descale, batch, nheads_k, q.device).detach()
     return apply(q, qd, cu_seqlens_q), apply(k, kd, cu_seqlens_k), apply(v, vd, cu_seqlens_k)
+
+
+def float_sink(sink):
+    """A learnable sink for the float32 computation of an FP8 call (a bf16 one would not be
+    q's dtype there), detached: the call has no backward."""
+    return sink.detach().float() if isinstance(sink, Tensor) else sink
 
 
 def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
@@ -99,9 +101,13 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
+def needs_grad(*tensors) -> bool:
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
 def finish(out: Tensor, inputs_require_grad: bool) -> Tensor:
-    """The FP8 call's bf16 output; with inputs that require grad, a backward through it
-    raises NotImplementedError."""
+    """The FP8 call's bf16 output; where an input (q, k, v, a descale, the sink) requires
+    grad, a backward through it raises NotImplementedError."""
     out = out.to(torch.bfloat16)
     if inputs_require_grad and torch.is_grad_enabled():
         out = _NoBackward.apply(out.requires_grad_())

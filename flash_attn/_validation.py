@@ -75,7 +75,6 @@ class AttnArgs(NamedTuple):
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
     sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
     dropout_p: float = 0.0  # > 0 only on CPU (the reference); flash_attn/dropout.py
-    headdim_v: Optional[int] = None  # v's head dim where it may differ (MLA); None: headdim
 
 
 def check_inputs_enabled() -> bool:
@@ -546,7 +545,6 @@ def validate_qkv(
         softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
-        headdim_v=v.shape[-1],
     )
 
 
@@ -666,7 +664,6 @@ def validate_varlen_qkv(
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
-        headdim_v=v.shape[-1],
     )
 
 

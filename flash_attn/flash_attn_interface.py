@@ -328,11 +328,15 @@ def flash_attn_func(
 ):
     fn = "flash_attn_func"
     if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
-        grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
-        qf, kf, vf = _fp8.dequantize(fn, q, k, v, q_descale, k_descale, v_descale)
+        _fp8.check_inputs(fn, q, k, v)
+        grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
+                               learnable_sink)
+        qf, kf, vf = (x.detach().float() for x in (q, k, v))
+        V.validate_qkv(fn, qf, kf, vf)  # shapes, with the messages of any call
+        qf, kf, vf = _fp8.apply_descales(fn, qf, kf, vf, q_descale, k_descale, v_descale)
         res = flash_attn_func(qf, kf, vf, dropout_p, softmax_scale, causal, window_size,
-                              softcap, alibi_slopes, deterministic, return_attn_probs, s_aux,
-                              learnable_sink)
+                              softcap, alibi_slopes, deterministic, return_attn_probs,
+                              _fp8.float_sink(s_aux), _fp8.float_sink(learnable_sink))
         if return_attn_probs:
             return (_fp8.finish(res[0], grad),) + tuple(res[1:])
         return _fp8.finish(res, grad)
@@ -504,13 +508,19 @@ def flash_attn_varlen_func(
     if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
         if block_table is not None:
             raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
-        grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
-        qf, kf, vf = _fp8.dequantize(fn, q, k, v, q_descale, k_descale, v_descale,
-                                     cu_seqlens_q, cu_seqlens_k)
+        _fp8.check_inputs(fn, q, k, v)
+        grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
+                               learnable_sink)
+        qf, kf, vf = (x.detach().float() for x in (q, k, v))
+        V.validate_varlen_qkv(fn, qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k)  # shapes and cu_seqlens, as for any call
+        qf, kf, vf = _fp8.apply_descales(fn, qf, kf, vf, q_descale, k_descale, v_descale,
+                                         cu_seqlens_q, cu_seqlens_k)
         res = flash_attn_varlen_func(qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, dropout_p, softmax_scale, causal,
                                      window_size, softcap, alibi_slopes, deterministic,
-                                     return_attn_probs, None, s_aux, learnable_sink)
+                                     return_attn_probs, None, _fp8.float_sink(s_aux),
+                                     _fp8.float_sink(learnable_sink))
         if return_attn_probs:
             return (_fp8.finish(res[0], grad),) + tuple(res[1:])
         return _fp8.finish(res, grad)

@@ -303,7 +303,8 @@ def attention_forward_ref(
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), or (total_q, nheads, headdim) with cu_seqlens_q.
-        k, v: (batch, seqlen_k, nheads_k, headdim), or (total_k, nheads_k, headdim).
+        k, v: (batch, seqlen_k, nheads_k, headdim), or (total_k, nheads_k, headdim); v's
+            head dim may differ from q's and k's.
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 (varlen), or both None.
         seqused_k: (batch,) int32 or None: batch b only uses its first seqused_k[b] keys.
         max_seqlen_q, max_seqlen_k: ignored (the reference reads the lengths from cu_seqlens).
@@ -313,7 +314,7 @@ def attention_forward_ref(
         dropout_p, rng_state: dropout (module docstring); rng_state (2,) int64 when
             dropout_p > 0.
     Return:
-        out: same shape and dtype as q, contiguous.
+        out: q's shape with v's head dim, q's dtype, contiguous.
         softmax_lse: float32, (batch, nheads, seqlen_q), or
             (nheads, total_q) for varlen, the sink included; +inf for rows with no kept key
             (sink[h] with a sink, also on varlen rows past cu_seqlens_q[-1]).

@@ -574,7 +574,6 @@ def ring_flash_attn_func(
                                       window_size=tuple(window_size), softcap=softcap,
                                       deterministic=deterministic, return_attn_probs=True)
         return (out, lse) if return_softmax_lse else out
-    _same_headdims(fn, q, v)
     local = None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         local = (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
@@ -583,13 +582,6 @@ def ring_flash_attn_func(
                                group, world, rank, causal, window_size, softcap, softmax_scale,
                                zigzag, deterministic)
     return (out, lse) if return_softmax_lse else out
-
-
-def _same_headdims(fn: str, q: Tensor, v: Tensor) -> None:
-    if isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() and v.dim() \
-            and v.shape[-1] != q.shape[-1]:
-        raise NotImplementedError(f"{fn}: a v head dim ({v.shape[-1]}) other than q's "
-                                  f"({q.shape[-1]}) is not implemented under sharding")
 
 
 def _varlen_local_error(q: Tensor, k: Tensor, v: Tensor,
@@ -654,7 +646,6 @@ def ring_flash_attn_varlen_func(
             softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
             softcap=softcap, deterministic=deterministic, return_attn_probs=True)
         return (out, lse) if return_softmax_lse else out
-    _same_headdims(fn, q, v)
     local = _varlen_local_error(q, k, v, cu_seqlens)
     seqlens: List[int] = []
     if local is None:

@@ -81,12 +81,50 @@ def test_argument_errors():
         flash_attn_func(f8, f8, f8, q_descale=torch.ones(2, 2))
 
 
-def test_backward_raises():
-    q = torch.randn(1, 4, 2, 16).to(E4M3).requires_grad_()
-    k, v = (torch.randn(1, 4, 2, 16).to(E4M3) for _ in range(2))
-    out = flash_attn_func(q, k, v)
+@pytest.mark.parametrize("which", ["q", "v", "k_descale", "s_aux"])
+def test_backward_raises(which):
+    """Whichever input requires grad (an FP8 tensor, a descale, the sink), a backward through
+    the FP8 call raises NotImplementedError."""
+    q, k, v = (torch.randn(1, 4, 2, 16).to(E4M3) for _ in range(3))
+    kw = dict(k_descale=torch.ones(1, 2), s_aux=torch.zeros(2))
+    if which in ("q", "v"):
+        (q if which == "q" else v).requires_grad_()
+    else:
+        kw[which].requires_grad_()
+    out = flash_attn_func(q, k, v, **kw)
     with pytest.raises(NotImplementedError, match="backward of an FP8"):
         out.float().sum().backward()
+
+
+def test_shape_and_cu_seqlens_errors_are_those_of_any_call():
+    f8 = lambda *shape: torch.randn(*shape).to(E4M3)  # noqa: E731
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attn_func(f8(6, 2, 16), f8(6, 2, 16), f8(6, 2, 16))
+    with pytest.raises(ValueError, match="batch"):
+        flash_attn_func(f8(2, 4, 2, 16), f8(1, 4, 2, 16), f8(1, 4, 2, 16))
+    with pytest.raises(ValueError, match="same shape"):
+        flash_attn_func(f8(1, 4, 2, 16), f8(1, 4, 2, 16), f8(1, 4, 1, 16))
+    q = f8(9, 2, 16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        flash_attn_varlen_func(q, q, q, torch.tensor([0, 5, 3], dtype=torch.int32),
+                               torch.tensor([0, 5, 9], dtype=torch.int32), 5, 5)
+
+
+def test_varlen_gqa_descale_per_kv_head():
+    torch.manual_seed(3)
+    h, hk, d = 4, 2, 16
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, h, d).to(E4M3)
+    k, v = (torch.randn(12, hk, d).to(E4M3) for _ in range(2))
+    qd, kd, vd = (torch.rand(2, hk) + 0.5 for _ in range(3))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+    for bi, (s0, s1) in enumerate(((0, 5), (5, 12))):
+        ref = attention_f32(
+            q[None, s0:s1].float() * qd[bi].repeat_interleave(2)[None, None, :, None],
+            k[None, s0:s1].float() * kd[bi][None, None, :, None],
+            v[None, s0:s1].float() * vd[bi][None, None, :, None])
+        within_bound(out[s0:s1], ref[0])
 
 
 def test_cuda_not_implemented_yet():
@@ -103,4 +141,4 @@ def test_cuda_not_implemented_yet():
 
     t = torch.randn(1, 4, 2, 16).to(E4M3).as_subclass(OnCuda)
     with pytest.raises(NotImplementedError, match="FP8 .* not implemented by the CUDA kernels"):
-        _fp8.dequantize("flash_attn_func", t, t, t, None, None, None)
+        _fp8.check_inputs("flash_attn_func", t, t, t)
