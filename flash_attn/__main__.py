@@ -92,6 +92,8 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("learnable sink (s_aux)", sm90(fwd90, ", then an output pass (ops.add_sink)"),
          "SM80, then an output pass (ops.add_sink)"),
         ("dropout_p > 0 (CPU: the reference)", unsupported, unsupported),
+        ("FP8 e4m3 inputs (CPU: the reference)", unsupported, unsupported),
+        ("v head dim != q's (CPU: the reference)", unsupported, unsupported),
     ]
 
 

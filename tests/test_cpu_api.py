@@ -677,4 +677,6 @@ def test_main_lists_features_by_code_path():
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward with alibi_slopes"]
     assert lines["dropout_p > 0 (CPU: the reference)"].count("NotImplementedError") == 2
+    assert lines["FP8 e4m3 inputs (CPU: the reference)"].count("NotImplementedError") == 2
+    assert lines["v head dim != q's (CPU: the reference)"].count("NotImplementedError") == 2
     assert "ops.add_sink" in lines["learnable sink (s_aux)"]
