@@ -4,7 +4,7 @@
 # built with FLASH_ATTN_AB_BUILD=1 (all in parallel), then timed in turns in one process by
 # benchmarks/ab_builds.py (AB_ARGS, e.g. "--pass bwd --hdims 128 --seqlens 2048,8192").
 # The copies stay in /tmp/ab/<name> for tests: PYTHONPATH=/tmp/ab/<name> python3 -m pytest ...
-# A branch as a variant: `git diff main <branch> > .ab/<name>.patch` here, then carry .ab.
+# A branch as a variant: `git diff main...<branch> > .ab/<name>.patch` here, then carry .ab.
 #   VARIANTS="base:.ab/base.patch new" AB_ARGS="--pass bwd" bash scripts/dev_ab.sh
 set -uo pipefail
 ROOT=$PWD
