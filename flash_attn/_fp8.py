@@ -75,10 +75,17 @@ def apply_descales(fn: str, q: Tensor, k: Tensor, v: Tensor, q_descale, k_descal
     return apply(q, qd, cu_seqlens_q), apply(k, kd, cu_seqlens_k), apply(v, vd, cu_seqlens_k)
 
 
-def float_sink(sink):
-    """A learnable sink for the float32 computation of an FP8 call (a bf16 one would not be
-    q's dtype there), detached: the call has no backward."""
-    return sink.detach().float() if isinstance(sink, Tensor) else sink
+def as_float32(fn: str, q, k, v, s_aux, learnable_sink):
+    """An FP8 call's q, k, v (checked: check_inputs) and learnable sink as float32 tensors
+    without gradient (the call has no backward), for the validation and the computation that
+    any float32 call has; the descales come after the validation (apply_descales)."""
+    check_inputs(fn, q, k, v)
+    q, k, v = (x.detach().float() for x in (q, k, v))
+
+    def sink32(sink):  # q's dtype is float32 now: a bf16 sink would no longer match it
+        return sink.detach().float() if isinstance(sink, Tensor) else sink
+
+    return q, k, v, sink32(s_aux), sink32(learnable_sink)
 
 
 def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
@@ -105,10 +112,12 @@ def needs_grad(*tensors) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def finish(out: Tensor, inputs_require_grad: bool) -> Tensor:
-    """The FP8 call's bf16 output; where an input (q, k, v, a descale, the sink) requires
-    grad, a backward through it raises NotImplementedError."""
-    out = out.to(torch.bfloat16)
+def finish(res, inputs_require_grad: bool):
+    """The FP8 call's result with its output in bf16 (res: out, or (out, lse, probs) with
+    return_attn_probs); where an input (q, k, v, a descale, the sink) requires grad, a backward
+    through the output raises NotImplementedError."""
+    rest = tuple(res[1:]) if isinstance(res, tuple) else None
+    out = (res[0] if rest is not None else res).to(torch.bfloat16)
     if inputs_require_grad and torch.is_grad_enabled():
         out = _NoBackward.apply(out.requires_grad_())
-    return out
+    return out if rest is None else (out,) + rest

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor

@@ -72,13 +72,16 @@ def philox4x32_10(counter: Tensor, key: Tuple[int, int]) -> Tensor:
     return torch.stack([c0, c1, c2, c3], dim=-1)
 
 
+def _lane_and_half(r: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
+    """The lane and the number (0-7) of the element at (r, c) of its 16 x 16 block."""
+    return (r % 8) * 4 + (c % 8) // 2, (c // 8) * 4 + (r // 8) * 2 + c % 2
+
+
 def dropout_random16(seed: int, offset: int, bh: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """The 16-bit random numbers of the module's definition, int64 in [0, 65536), for the
     broadcast of ``bh`` (b * nheads + h), ``rows`` (query rows i) and ``cols`` (key columns j)."""
     bh, rows, cols = torch.broadcast_tensors(bh.long(), rows.long(), cols.long())
-    r, c = rows % 16, cols % 16
-    lane = (r % 8) * 4 + (c % 8) // 2
-    half = (c // 8) * 4 + (r // 8) * 2 + c % 2
+    lane, half = _lane_and_half(rows % 16, cols % 16)
     counter = torch.stack(
         [32 * (cols // 16) + lane, rows // 16, bh, torch.full_like(bh, offset & _MASK32)], dim=-1)
     words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
@@ -103,10 +106,9 @@ def _block_random16(seed: int, offset: int, bh: Tensor, row_blocks: int,
     """The numbers of whole 16 x 16 blocks, one Philox call per (block, lane) as the kernels
     compute them: (len(bh), 16 * row_blocks, 16 * col_blocks)."""
     dev = bh.device
-    r = torch.arange(16, device=dev).view(-1, 1)
-    c = torch.arange(16, device=dev).view(1, -1)
-    lane = (r % 8) * 4 + (c % 8) // 2  # (16, 16): the element's lane and its number there
-    half = (c // 8) * 4 + (r // 8) * 2 + c % 2
+    # (16, 16): each element's lane and its number there
+    lane, half = _lane_and_half(torch.arange(16, device=dev).view(-1, 1),
+                                torch.arange(16, device=dev).view(1, -1))
     counter = torch.stack(torch.broadcast_tensors(
         32 * torch.arange(col_blocks, device=dev).view(1, 1, -1, 1)
         + torch.arange(32, device=dev).view(1, 1, 1, -1),

@@ -327,28 +327,24 @@ def flash_attn_func(
     v_descale=None,
 ):
     fn = "flash_attn_func"
-    if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
-        _fp8.check_inputs(fn, q, k, v)
+    fp8 = _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v)
+    if fp8:
         grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
                                learnable_sink)
-        qf, kf, vf = (x.detach().float() for x in (q, k, v))
-        V.validate_qkv(fn, qf, kf, vf)  # shapes, with the messages of any call
-        qf, kf, vf = _fp8.apply_descales(fn, qf, kf, vf, q_descale, k_descale, v_descale)
-        res = flash_attn_func(qf, kf, vf, dropout_p, softmax_scale, causal, window_size,
-                              softcap, alibi_slopes, deterministic, return_attn_probs,
-                              _fp8.float_sink(s_aux), _fp8.float_sink(learnable_sink))
-        if return_attn_probs:
-            return (_fp8.finish(res[0], grad),) + tuple(res[1:])
-        return _fp8.finish(res, grad)
-    _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
+        q, k, v, s_aux, learnable_sink = _fp8.as_float32(fn, q, k, v, s_aux, learnable_sink)
+    else:
+        _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
         learnable_sink=learnable_sink,
     )
-    return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
-                      return_attn_probs)
+    if fp8:
+        q, k, v = _fp8.apply_descales(fn, q, k, v, q_descale, k_descale, v_descale)
+    res = _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
+                     return_attn_probs)
+    return _fp8.finish(res, grad) if fp8 else res
 
 
 flash_attn_func.__doc__ = (
@@ -505,26 +501,15 @@ def flash_attn_varlen_func(
     v_descale=None,
 ):
     fn = "flash_attn_varlen_func"
-    if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v):
+    fp8 = _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v)
+    if fp8:
         if block_table is not None:
             raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
-        _fp8.check_inputs(fn, q, k, v)
         grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
                                learnable_sink)
-        qf, kf, vf = (x.detach().float() for x in (q, k, v))
-        V.validate_varlen_qkv(fn, qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k)  # shapes and cu_seqlens, as for any call
-        qf, kf, vf = _fp8.apply_descales(fn, qf, kf, vf, q_descale, k_descale, v_descale,
-                                         cu_seqlens_q, cu_seqlens_k)
-        res = flash_attn_varlen_func(qf, kf, vf, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, dropout_p, softmax_scale, causal,
-                                     window_size, softcap, alibi_slopes, deterministic,
-                                     return_attn_probs, None, _fp8.float_sink(s_aux),
-                                     _fp8.float_sink(learnable_sink))
-        if return_attn_probs:
-            return (_fp8.finish(res[0], grad),) + tuple(res[1:])
-        return _fp8.finish(res, grad)
-    _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
+        q, k, v, s_aux, learnable_sink = _fp8.as_float32(fn, q, k, v, s_aux, learnable_sink)
+    else:
+        _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
     a = V.validate_varlen_qkv(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -532,10 +517,14 @@ def flash_attn_varlen_func(
         deterministic=deterministic, return_attn_probs=return_attn_probs,
         block_table=block_table, s_aux=s_aux, learnable_sink=learnable_sink,
     )
+    if fp8:
+        q, k, v = _fp8.apply_descales(fn, q, k, v, q_descale, k_descale, v_descale,
+                                      cu_seqlens_q, cu_seqlens_k)
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      deterministic, return_attn_probs, block_table)
+    res = _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     deterministic, return_attn_probs, block_table)
+    return _fp8.finish(res, grad) if fp8 else res
 
 
 flash_attn_varlen_func.__doc__ = (

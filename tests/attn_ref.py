@@ -61,10 +61,11 @@ def keep_mask_ref(seqlen_q: int, seqlen_k: int, causal: bool, window_size, devic
 
 
 def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype, alibi=None,
-                     sink=None):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq); alibi: ALiBi
+                     sink=None, drop=None):
+    """q (b, sq, h, d), k/v (b, sk, hk, dv) -> out (b, sq, h, dv), lse (b, h, sq); alibi: ALiBi
     slopes (h,) or (b, h), or None; sink: a learnable sink's logits (h,) (one more softmax
-    column per row, without a value), or None."""
+    column per row, without a value), or None; drop: a dropout factor (b, h, sq, sk) applied
+    to the probabilities, or None."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     assert h % hk == 0, (h, hk)
@@ -78,7 +79,7 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
     if sk == 0:
         # Nothing to attend to: out = 0 (still connected to q so autograd gives zeros), lse = +inf
         # (with a sink: its logit, or +inf where that is -inf).
-        out = q * 0
+        out = (q * 0).sum(-1, keepdim=True).expand(b, sq, h, v.shape[-1])
         lse = torch.full((b, h, sq), math.inf, dtype=acc_dtype, device=q.device)
         if sink is not None:
             s = sink.to(acc_dtype).view(1, h, 1).expand(b, h, sq)
@@ -111,6 +112,8 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
     probs = p / l_safe
     if sink is not None:
         probs = probs[..., :-1]
+    if drop is not None:
+        probs = probs * drop.to(probs.dtype)
     if low:
         probs = probs.to(compute_dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -131,20 +134,24 @@ def attention_ref(
     compute_dtype: torch.dtype = torch.float32,
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
+    drop: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference attention. Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d),
     lse (b, h, sq). Varlen (cu_seqlens_q and cu_seqlens_k given): q (total_q, h, d),
     k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q). Differentiable.
     alibi_slopes (h,) or (batch, h): the score of query i and key j gets
     -slope * |i + sk - sq - j| (after the softcap). sink (h,): a learnable sink's logits, one
-    more softmax column of each row of head h, without a value (lse includes it)."""
+    more softmax column of each row of head h, without a value (lse includes it). drop
+    (batched only): dropout's factor (b, h, sq, sk) on the probabilities. v's head dim may
+    differ from q's."""
     assert compute_dtype in LOW_DTYPES + HIGH_DTYPES, compute_dtype
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     window_size = (int(window_size[0]), int(window_size[1]))
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype,
-                                alibi_slopes, sink)
+                                alibi_slopes, sink, drop)
+    assert drop is None, "attention_ref: drop is for batched calls"
     assert cu_seqlens_q is not None and cu_seqlens_k is not None
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
@@ -312,6 +319,17 @@ def compare_to_ref(out, grads, leaves, to_qkv, ref_kwargs, dout, tag=""):
                 to_qkv(*grads_pt))
     for name, mult, g, g_ref, g_pt in views:
         assert_accuracy(f"{name}{tag}", g, g_ref, g_pt, mult)
+
+
+def assert_backward_repeatable(out: Tensor, leaves, runs: int) -> None:
+    """`runs` backward passes of `out` (one random dout) give bitwise equal gradients of the
+    three leaves (q, k, v): deterministic=True's promise."""
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for _ in range(runs - 1):
+        again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        for name, a, b in zip("qkv", first, again):
+            assert torch.equal(a, b), f"d{name} differs between runs"
 
 
 def check_fwd_bwd(ours_fn, leaves, to_qkv, ref_kwargs):

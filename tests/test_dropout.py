@@ -7,6 +7,8 @@ varlen, GQA, causal, ``torch.compile``.
 """
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -14,22 +16,10 @@ import torch
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 from flash_attn.dropout import dropout_factor, new_rng_state
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_ref import attention_ref  # noqa: E402
+
 F64 = torch.float64
-
-
-def explicit_dropout_attention(q, k, v, factor, causal=False, scale=None):
-    """float64 q (b, sq, h, d), k/v (b, sk, hk, d), factor (b, h, sq, sk): softmax, then the
-    dropout factor, then V. Bottom-right causal mask."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale or 1 / math.sqrt(d))
-    if causal:
-        i = torch.arange(sq).view(-1, 1)
-        j = torch.arange(sk).view(1, -1)
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p * factor, v)
 
 
 def state_after_seed(seed):
@@ -52,7 +42,7 @@ def test_output_and_grads_replay_the_mask(causal, shape):
     out = flash_attn_func(q, k, v, dropout_p=p, causal=causal)
     factor = dropout_factor(state_after_seed(7), p, 0, b, h, sq, sk, F64)
     qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    ref = explicit_dropout_attention(qr, kr, vr, factor, causal)
+    ref = attention_ref(qr, kr, vr, causal=causal, compute_dtype=F64, drop=factor)[0]
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -79,8 +69,8 @@ def test_varlen_replays_each_sequence_mask():
         if q1 == q0:
             continue
         factor = dropout_factor(state, p, b, 1, h, q1 - q0, k1 - k0, F64)
-        ref = explicit_dropout_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                                         factor, causal=True)
+        ref = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True,
+                            compute_dtype=F64, drop=factor)[0]
         torch.testing.assert_close(out[q0:q1], ref[0], atol=1e-12, rtol=1e-10)
 
 

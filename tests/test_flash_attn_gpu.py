@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attn_ref import (  # noqa: E402
     REF_DTYPE,
+    assert_backward_repeatable,
     assert_accuracy,
     assert_finite,
     assert_lse,
@@ -545,7 +546,7 @@ def _deterministic_cases():
 
 
 @pytest.mark.parametrize("case", params(_deterministic_cases()))
-def test_deterministic_backward(case: Case, kernel_path: str):
+def test_deterministic_backward(case: Case):
     """deterministic=True, on both kernel paths: 10 backward runs give bitwise equal dq, dk, dv
     (the key tiles add dq's partial sums one at a time, highest first), and the gradients pass
     the accuracy rule."""
@@ -554,13 +555,7 @@ def test_deterministic_backward(case: Case, kernel_path: str):
     q, k, v = make_qkv(case, h=4, hk=2 if case.d == 128 else 4)
     check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, **kwargs), [q, k, v], plain_qkv,
                   case.ref_kwargs())
-    out = flash_attn_func(q, k, v, **kwargs)
-    dout = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    for _ in range(9):
-        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        for name, a, b in zip("qkv", first, again):
-            assert torch.equal(a, b), f"d{name} differs between runs"
+    assert_backward_repeatable(flash_attn_func(q, k, v, **kwargs), (q, k, v), 10)
 
 
 @pytest.mark.parametrize("b,h", [(70000, 1), (1, 70000)], ids=["batch70000", "heads70000"])
@@ -635,13 +630,7 @@ def test_deterministic_with_alibi(case: Case):
     kwargs = dict(case.api_kwargs(), deterministic=True, alibi_slopes=slopes)
     check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, **kwargs), [q, k, v], plain_qkv,
                   dict(case.ref_kwargs(), alibi_slopes=slopes))
-    out = flash_attn_func(q, k, v, **kwargs)
-    dout = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    for _ in range(4):
-        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        for name, a, b in zip("qkv", first, again):
-            assert torch.equal(a, b), f"d{name} differs between runs"
+    assert_backward_repeatable(flash_attn_func(q, k, v, **kwargs), (q, k, v), 5)
 
 
 @pytest.mark.parametrize("per_batch", [False, True], ids=["per_head", "per_batch"])

@@ -5,7 +5,8 @@ returned, and the NotImplementedError a CUDA call gets (issue 30 item 4; the ker
 take it yet).
 """
 
-import math
+import os
+import sys
 
 import pytest
 import torch
@@ -13,19 +14,10 @@ import torch
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 from flash_attn import _validation as V
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_ref import attention_ref  # noqa: E402
+
 F64 = torch.float64
-
-
-def explicit(q, k, v, causal=False):
-    """float64 q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    k, v = k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-    if causal:
-        i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
 
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (256, 128), (40, 13)])
@@ -37,7 +29,7 @@ def test_batched(d, dv, causal):
     v = torch.randn(2, 11, 2, dv, dtype=F64, requires_grad=True)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert out.shape == (2, 9, 4, dv) and lse.shape == (2, 4, 9)
-    ref = explicit(q, k, v, causal)
+    ref = attention_ref(q, k, v, causal=causal, compute_dtype=F64)[0]
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -58,9 +50,9 @@ def test_gradcheck():
 
 def test_varlen():
     torch.manual_seed(2)
-    lens_q, lens_k, h, d, dv = [3, 0, 8], [5, 2, 8], 2, 32, 16
-    cu_q = torch.tensor([0, 3, 3, 11], dtype=torch.int32)
-    cu_k = torch.tensor([0, 5, 7, 15], dtype=torch.int32)
+    h, d, dv = 2, 32, 16
+    cu_q = torch.tensor([0, 3, 3, 11], dtype=torch.int32)  # lengths 3, 0, 8
+    cu_k = torch.tensor([0, 5, 7, 15], dtype=torch.int32)  # lengths 5, 2, 8
     q = torch.randn(11, h, d, dtype=F64)
     k = torch.randn(15, h, d, dtype=F64)
     v = torch.randn(15, h, dv, dtype=F64)
@@ -69,7 +61,8 @@ def test_varlen():
     for b in range(3):
         q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
         if q1 > q0:
-            ref = explicit(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True)
+            ref = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=True,
+                                compute_dtype=F64)[0]
             torch.testing.assert_close(out[q0:q1], ref[0], atol=1e-12, rtol=1e-10)
 
 
