@@ -205,12 +205,47 @@ def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
     other)."""
     out = []
     for qseq, kseq in zip(qsegs, ksegs):
-        for qs in qseq:
-            for ks in kseq:
-                b = _block(qs, ks, left, right)
-                if b is not None:
-                    out.append(b)
+        blocks = [b for qs in qseq for ks in kseq
+                  if (b := _block(qs, ks, left, right)) is not None]
+        out += _coalesce(blocks)
     return out
+
+
+def _unmasked(b: _Block) -> bool:
+    return not b.causal and b.window_left == -1 and b.window_right == -1
+
+
+def _coalesce(blocks: List[_Block]) -> List[_Block]:
+    """Joins neighbouring sub-blocks into one kernel call where the joined block's mask is exact:
+    fewer, larger calls and fewer merges (zigzag: 2 calls per step instead of up to 4).
+
+    * Same rows, adjacent columns, the left block fully visible and the right one unbounded on
+      the left (no mask, causal, or window_left -1): the right block's mask, bottom-right
+      aligned, leaves the left block fully visible, because every row of a sub-block keeps at
+      least one key (``_block`` trims the others), so row 0 already reaches the right block.
+    * Same columns, adjacent rows, both fully visible: no mask."""
+    changed = True
+    while changed:
+        changed = False
+        for i, a in enumerate(blocks):
+            for j, b in enumerate(blocks):
+                if i == j:
+                    continue
+                if (a.rows == b.rows and a.cols.stop == b.cols.start and _unmasked(a)
+                        and b.window_left == -1):
+                    joined = _Block(a.rows, slice(a.cols.start, b.cols.stop), b.causal, -1,
+                                    b.window_right)
+                elif (a.cols == b.cols and a.rows.stop == b.rows.start and _unmasked(a)
+                      and _unmasked(b)):
+                    joined = _Block(slice(a.rows.start, b.rows.stop), a.cols, False, -1, -1)
+                else:
+                    continue
+                blocks = [x for n, x in enumerate(blocks) if n not in (i, j)] + [joined]
+                changed = True
+                break
+            if changed:
+                break
+    return blocks
 
 
 # --------------------------------------------------------------------------------------------

@@ -301,3 +301,38 @@ def test_window_blocks_cover_the_band():
                     got[rows, cols] = keep_mask(rows.stop - rows.start, cols.stop - cols.start,
                                                 blk.causal, blk.window_left, blk.window_right)
                 assert torch.equal(got, want), (left, right, qi, ki)
+
+
+def test_coalesced_blocks_cover_the_band_once():
+    # After _coalesce, the sub-blocks of a rank against each K/V owner, masked as the kernel masks
+    # them, still cover exactly the global band, each kept (query, key) pair once; zigzag causal
+    # needs at most 2 kernel calls per step.
+    from flash_attn.reference import keep_mask
+    from flash_attn.ring_attention import _blocks, _segments
+
+    for world in (2, 3, 4):
+        for zigzag in (True, False):
+            n = 2 * world * 3 if zigzag else world * 5
+            s_local = n // world
+            for left, right in ((math.inf, 0), (math.inf, math.inf), (4, 0), (5, 2), (0, 0),
+                                (math.inf, 3), (7, math.inf)):
+                for rank in range(world):
+                    qsegs = _segments(rank, world, [s_local], zigzag)
+                    for owner in range(world):
+                        ksegs = _segments(owner, world, [s_local], zigzag)
+                        got = torch.zeros(s_local, s_local, dtype=torch.int32)
+                        blocks = _blocks(qsegs, ksegs, left, right)
+                        for blk in blocks:
+                            got[blk.rows, blk.cols] += keep_mask(
+                                blk.rows.stop - blk.rows.start, blk.cols.stop - blk.cols.start,
+                                blk.causal, blk.window_left, blk.window_right).int()
+                        want = torch.zeros(s_local, s_local, dtype=torch.int32)
+                        for q0, ql0, sq in qsegs[0]:
+                            for k0, kl0, sk in ksegs[0]:
+                                for i in range(sq):
+                                    for j in range(sk):
+                                        delta = (k0 + j) - (q0 + i)
+                                        want[ql0 + i, kl0 + j] = int(-left <= delta <= right)
+                        assert torch.equal(got, want), (world, zigzag, left, right, rank, owner)
+                        if zigzag and (left, right) == (math.inf, 0):
+                            assert len(blocks) <= 2, (world, rank, owner, len(blocks))

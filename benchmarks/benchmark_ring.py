@@ -1,0 +1,141 @@
+"""Ring attention throughput per GPU against one GPU running the same shard length alone.
+
+For a total sequence of S tokens on N GPUs (zigzag shards of S / N), the per-GPU throughput is
+attention's FLOPs over the full sequence / time / N; the baseline is flash_attn_func on one GPU
+at S / N tokens. Issue 31's bar: 128k tokens on 4 GPUs >= 0.9 of one GPU at 32k (d128, causal).
+
+Timing: CUDA events around ``--iters`` back-to-back calls after a warm-up, the ranks lined up by a
+barrier first; a ring time is the slowest rank's. The NCCL transfers are not captured in CUDA
+graphs, so the one-GPU baseline is timed the same way (at these sizes a call takes milliseconds,
+far above launch overhead).
+
+    python benchmarks/benchmark_ring.py --world 2 --seqlens 65536 --causal both
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _flops(seqlen: int, nheads: int, hdim: int, causal: bool, what: str) -> float:
+    pairs = seqlen * (seqlen + 1) / 2 if causal else seqlen * seqlen
+    fwd = 4.0 * nheads * hdim * pairs
+    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[what]
+
+
+def _time(fn, iters: int, barrier=None) -> float:
+    """Seconds per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def _runs(q, k, v, call, causal: bool):
+    """fwd and fwd+bwd closures for ``call(q, k, v, causal) -> out``."""
+    dout = torch.randn_like(q)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            call(q, k, v, causal)
+
+    def fwd_bwd():
+        out = call(*leaves, causal)
+        torch.autograd.grad(out, leaves, dout)
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def _inputs(seqlen: int, nheads: int, hdim: int, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(1, seqlen, nheads, hdim, generator=g, device=device,
+                        dtype=torch.bfloat16) for _ in range(3)]
+
+
+def _worker(rank: int, world: int, init_file: str, out_file: str, args) -> None:
+    from flash_attn import ring_flash_attn_func
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    rows: List[Dict] = []
+    for seqlen in args.seqlens:
+        for causal in args.causal:
+            q, k, v = _inputs(seqlen // world, args.nheads, args.hdim, "cuda")
+            for what, fn in _runs(q, k, v, lambda a, b, c, cz: ring_flash_attn_func(
+                    a, b, c, causal=cz, zigzag=True), causal).items():
+                t = torch.tensor([_time(fn, args.iters, dist.barrier)], device="cuda")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                rows.append({"seqlen": seqlen, "causal": causal, "what": what,
+                             "seconds": t.item()})
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    p.add_argument("--seqlens", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[65536], help="total tokens over all GPUs")
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--causal", choices=["true", "false", "both"], default="true")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    args.causal = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
+
+    from flash_attn import flash_attn_func
+
+    single = {}
+    for seqlen in args.seqlens:
+        for causal in args.causal:
+            q, k, v = _inputs(seqlen // args.world, args.nheads, args.hdim, "cuda")
+            for what, fn in _runs(q, k, v, lambda a, b, c, cz: flash_attn_func(
+                    a, b, c, causal=cz), causal).items():
+                single[(seqlen, causal, what)] = _time(fn, args.iters)
+            del q, k, v
+    torch.cuda.empty_cache()
+
+    with tempfile.TemporaryDirectory() as d:
+        out_file = os.path.join(d, "rows.json")
+        mp.start_processes(_worker, args=(args.world, os.path.join(d, "init"), out_file, args),
+                           nprocs=args.world, join=True, start_method="spawn")
+        rows = json.load(open(out_file))
+
+    name = torch.cuda.get_device_name()
+    print(f"Ring attention, {args.world} x {name}, bf16, batch 1, {args.nheads} heads, "
+          f"d{args.hdim}, zigzag; one-GPU baseline at seqlen / {args.world}")
+    print()
+    print("| total seqlen | causal | pass | ring ms | ring TFLOP/s per GPU | 1 GPU at seqlen/N ms "
+          "| 1 GPU TFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, c, what, t = r["seqlen"], r["causal"], r["what"], r["seconds"]
+        per_gpu = _flops(s, args.nheads, args.hdim, c, what) / t / args.world / 1e12
+        t1 = single[(s, c, what)]
+        one = _flops(s // args.world, args.nheads, args.hdim, c, what) / t1 / 1e12
+        print(f"| {s} | {c} | {what} | {t * 1e3:.2f} | {per_gpu:.0f} | {t1 * 1e3:.2f} | "
+              f"{one:.0f} | {per_gpu / one:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

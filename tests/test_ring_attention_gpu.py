@@ -1,0 +1,184 @@
+"""Ring attention (flash_attn.ring_attention) on GPUs: 2 (and 4, where the machine has them)
+processes over NCCL, one GPU each, with the CUDA kernels.
+
+Like tests/test_ring_attention.py, each world size is spawned once: every rank runs every case
+and writes "ok" or the traceback per case to a file. Each case gathers the ranks' outputs and
+gradients into the full sequence and applies the accuracy rule (attn_ref.compare_to_ref) against
+float64 attention on the full sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_attn import (ring_flash_attn_func, ring_flash_attn_varlen_func, zigzag_shard,
+                        zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
+
+# Rows per zigzag chunk: not a multiple of any tile, so every sub-block ends mid-tile.
+CHUNK = 200
+# name -> (zigzag, causal, window_size, softcap, nheads, nheads_k, headdim, dtype)
+CASES = {
+    "causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
+    "noncausal_zigzag_d64_fp16": (True, False, (-1, -1), 0.0, 2, 2, 64, torch.float16),
+    "causal_contiguous_d128": (False, True, (-1, -1), 0.0, 2, 2, 128, torch.bfloat16),
+    "window_zigzag_softcap_d128": (True, False, (300, 40), 5.0, 2, 1, 128, torch.bfloat16),
+    "window_causal_contiguous_d64": (False, True, (250, -1), 0.0, 2, 2, 64, torch.bfloat16),
+}
+VARLEN_CHUNKS = (2, 1, 3)  # sequence i is 2 * world * 64 * VARLEN_CHUNKS[i] long
+VARLEN_CASES = {
+    "varlen_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
+    "varlen_window_contiguous_d64": (False, False, (100, 20), 0.0, 2, 2, 64, torch.bfloat16),
+}
+ERROR_CASES = ["cuda_with_gloo", "unequal_shards"]
+ALL_CASES = list(CASES) + list(VARLEN_CASES) + ERROR_CASES
+
+
+def _gather_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _check_case(name: str, world: int, rank: int) -> None:
+    from attn_ref import compare_to_ref, plain_qkv
+
+    zigzag, causal, window, softcap, h, hk, d, dtype = CASES[name]
+    seqlen = 2 * world * CHUNK
+    g = torch.Generator(device="cuda").manual_seed(list(CASES).index(name))
+    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
+                     for n in (h, hk, hk, h))
+    s = seqlen // world
+
+    def shard(x):
+        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
+
+    def unshard(x):
+        return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
+
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out = ring_flash_attn_func(qs, ks, vs, causal=causal, window_size=window, softcap=softcap,
+                               zigzag=zigzag)
+    out.backward(shard(dout))
+    grads = [unshard(x.grad) for x in (qs, ks, vs)]
+    compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv,
+                   {"causal": causal, "window_size": window, "softcap": softcap}, dout)
+
+
+def _check_varlen_case(name: str, world: int, rank: int) -> None:
+    from attn_ref import compare_to_ref
+
+    zigzag, causal, window, softcap, h, hk, d, dtype = VARLEN_CASES[name]
+    lens = [2 * world * 64 * c for c in VARLEN_CHUNKS]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    total = int(cu[-1])
+    g = torch.Generator(device="cuda").manual_seed(100 + list(VARLEN_CASES).index(name))
+    q, k, v, dout = (torch.randn(total, n, d, generator=g, device="cuda").to(dtype)
+                     for n in (h, hk, hk, h))
+    cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
+    bounds, local_bounds = cu.tolist(), cu_local.tolist()
+
+    def shard(x):
+        if zigzag:
+            return zigzag_shard_varlen(x, cu)[0]
+        return torch.cat([x[a + rank * (b - a) // world:a + (rank + 1) * (b - a) // world]
+                          for a, b in zip(bounds, bounds[1:])])
+
+    def unshard(x):
+        if zigzag:
+            return zigzag_unshard_varlen(x, cu_local)
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x.contiguous())
+        return torch.cat([p[a:b] for a, b in zip(local_bounds, local_bounds[1:])
+                          for p in every])
+
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world, causal=causal,
+                                      window_size=window, softcap=softcap, zigzag=zigzag)
+    out.backward(shard(dout))
+    grads = [unshard(x.grad) for x in (qs, ks, vs)]
+    full_out = unshard(out.detach())
+    # The reference per sequence (batch of one), each sequence's rows checked on their own.
+    for a, b in zip(bounds, bounds[1:]):
+        compare_to_ref(full_out[a:b][None], [x[a:b][None] for x in grads],
+                       [x[a:b][None] for x in (q, k, v)], lambda *t: t,
+                       {"causal": causal, "window_size": window, "softcap": softcap},
+                       dout[a:b][None], tag=f" rows {a}:{b}")
+
+
+def _check_error(name: str, world: int, rank: int) -> None:
+    x = torch.randn(1, 2 * 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    if name == "cuda_with_gloo":
+        gloo = dist.new_group(backend="gloo")
+        try:
+            ring_flash_attn_func(x, x, x, group=gloo)
+        except ValueError as e:
+            assert "gloo" in str(e), str(e)
+        else:
+            raise AssertionError("no ValueError for CUDA tensors through a gloo group")
+    elif name == "unequal_shards":
+        y = x[:, :64] if rank == 0 else x
+        try:
+            ring_flash_attn_func(y, y, y)
+        except ValueError as e:
+            assert "same shapes" in str(e), str(e)
+        else:
+            raise AssertionError("no ValueError for unequal shards")
+    else:
+        raise KeyError(name)
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    results: Dict[str, str] = {}
+    try:
+        for name in ALL_CASES:
+            try:
+                if name in CASES:
+                    _check_case(name, world, rank)
+                elif name in VARLEN_CASES:
+                    _check_varlen_case(name, world, rank)
+                else:
+                    _check_error(name, world, rank)
+                torch.cuda.synchronize()
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _worlds():
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [w for w in (2, 4) if w <= n] or [2]
+
+
+@pytest.fixture(scope="module", params=_worlds(), ids=lambda w: f"world{w}")
+def ring_results(request, tmp_path_factory):
+    world = request.param
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    d = tmp_path_factory.mktemp(f"ring_gpu{world}")
+    mp.start_processes(_worker, args=(world, str(d / "init"), str(d)), nprocs=world,
+                       join=True, start_method="spawn")
+    return world, [json.load(open(d / f"rank{r}.json")) for r in range(world)]
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_ring_gpu(ring_results, name):
+    world, results = ring_results
+    failures = {r: res.get(name, "not run") for r, res in enumerate(results)
+                if res.get(name) != "ok"}
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
