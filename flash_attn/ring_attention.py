@@ -338,19 +338,26 @@ def _wait(reqs: list) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tensor) -> None:
-    """Merge a partial (out, lse) of ``rows`` into the accumulators (in place). Rows that keep
-    no key have lse -inf in the accumulator (+inf from the kernels)."""
+def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tensor,
+           fresh: bool) -> None:
+    """Merge a partial (out, lse) of ``rows`` into the accumulators, in place (two passes over
+    the rows of ``acc_out``). ``fresh``: no earlier partial touched these rows, so this one is
+    copied. Rows that keep no key have lse -inf in the accumulator (+inf from the kernels)."""
     lse = lse.to(acc_lse.dtype)
     lse = torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+    acc = acc_out[:, rows]
+    if fresh:
+        acc.copy_(out)
+        acc_lse[:, :, rows] = lse
+        return
     old = acc_lse[:, :, rows]
     new = torch.logaddexp(old, lse)
     empty = new == float("-inf")
     safe = torch.where(empty, torch.zeros_like(new), new)
     w_old = torch.where(empty, torch.zeros_like(new), torch.exp(old - safe))
     w_new = torch.where(empty, torch.zeros_like(new), torch.exp(lse - safe))
-    acc_out[:, rows] = (acc_out[:, rows] * w_old.transpose(1, 2)[..., None]
-                        + out.to(acc_out.dtype) * w_new.transpose(1, 2)[..., None])
+    acc.mul_(w_old.transpose(1, 2)[..., None])
+    acc.addcmul_(out, w_new.transpose(1, 2)[..., None])
     acc_lse[:, :, rows] = new
 
 
@@ -363,6 +370,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
     acc_lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
+    touched: List[slice] = []
     for step in range(ring.world):
         if step < ring.world - 1:
             reqs, kv_next = ring.exchange(kv, _TAG_KV)
@@ -370,7 +378,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
         for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
                                 blk, softcap)
-            _merge(acc_out, acc_lse, blk.rows, o, lse)
+            fresh = all(blk.rows.stop <= t.start or t.stop <= blk.rows.start for t in touched)
+            _merge(acc_out, acc_lse, blk.rows, o, lse, fresh)
+            touched.append(blk.rows)
         if step < ring.world - 1:
             _wait(reqs)
             kv = kv_next
@@ -394,19 +404,25 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         if step < ring.world - 1:
             kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
-        part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+        grads = []
         for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic)
             dq[:, blk.rows] += g_q
-            part[0][:, blk.cols] += g_k
-            part[1][:, blk.cols] += g_v
+            grads.append((blk.cols, g_k, g_v))
         # The accumulator of this K/V block arrives from the previous rank (which had the block
-        # one step earlier) while this step computes; at step 0 the block is this rank's own.
-        if dkv_in is not None:
+        # one step earlier) while this step's kernels run; it is waited for only after they
+        # have been issued, and this step's dK/dV are added into it in place. At step 0 the
+        # block is this rank's own and its accumulator starts at zero.
+        if dkv_in is None:
+            part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+        else:
             _wait(dkv_reqs)
-            part = part + dkv_in
+            part = dkv_in
+        for cols, g_k, g_v in grads:
+            part[0][:, cols] += g_k
+            part[1][:, cols] += g_v
         dkv_reqs, dkv_in = ring.exchange(part, _TAG_DKV)
         if step < ring.world - 1:
             _wait(kv_reqs)
