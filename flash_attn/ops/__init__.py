@@ -292,11 +292,14 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
             out, lse = add_sink(out, lse, sink, cu_seqlens_q is not None)
         return out, lse
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
-    return load_extension().fwd(
+    # A tuple: the binding returns a list, which the eager autograd.Function (_FlashAttnFunc)
+    # would take as one non-tensor output, leaving out without a grad_fn.
+    out, lse = load_extension().fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
         block_table, leftpad_k, alibi_slopes, sink,
     )
+    return out, lse
 
 
 @_fwd_op.register_fake
