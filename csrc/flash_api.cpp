@@ -362,9 +362,17 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             std::optional<at::Tensor> kv_batch_idx,
                             std::optional<at::Tensor> block_table,
                             std::optional<at::Tensor> leftpad_k,
-                            std::optional<at::Tensor> alibi_slopes) {
+                            std::optional<at::Tensor> alibi_slopes,
+                            std::optional<at::Tensor> sink) {
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
+    if (sink.has_value()) {
+        FA_CHECK(sink->scalar_type() == at::kFloat && sink->dim() == 1 &&
+                     sink->size(0) == pb.nheads && sink->is_contiguous() &&
+                     sink->device() == q_in.device(),
+                 "flash_attn: the learnable sink must be a contiguous float32 tensor of shape "
+                 "(nheads,) on q's device");
+    }
     if (leftpad_k.has_value()) {
         FA_CHECK(!pb.varlen && pb.page_size == 0 && seqused_k.has_value(),
                  "flash_attn: leftpad_k is for batched, unpaged K/V with seqused_k (not with "
@@ -417,6 +425,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
     if (leftpad_k.has_value()) p.leftpad_k = leftpad_k->data_ptr<int>();
     set_alibi(p, alibi_slopes, pb, q);
+    if (sink.has_value()) p.sink = sink->data_ptr<float>();
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
         p.block_table_stride = block_table->stride(0);
@@ -712,7 +721,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
           py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none(),
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sink") = py::none());
     m.def("bwd", &bwd, "attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),

@@ -19,8 +19,8 @@ Notes common to all functions:
   from torch's CPU generator); on CUDA it raises ``NotImplementedError``.
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
   FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
-  has it in its softmax; on CUDA the forward kernel's output and LSE are corrected for it
-  afterwards (an elementwise pass), and the backward kernels need nothing more.
+  has it in its softmax, the CUDA forward kernels join it to each finished row, and the
+  backward kernels need nothing more than the LSE that includes it.
 """
 
 from __future__ import annotations
@@ -160,8 +160,7 @@ _SINK_ARGS_DOC = """
             key j is exp(S_ij) / (sum_l exp(S_il) + exp(s_aux[h])) over the kept keys l, with
             S the scaled, softcapped, biased scores. softmax_lse includes it; -inf means no
             sink. The output is differentiable in it (its gradient reaches the tensor
-            given). On CUDA the kernels' result is corrected for it afterwards (one more pass
-            over the output); the CPU reference has it in its softmax.
+            given).
         learnable_sink [optional]: (nheads,). Another name for s_aux (the name of
             FlashAttention-4; s_aux is vLLM's FlashAttention-3's); passing both raises
             ValueError."""

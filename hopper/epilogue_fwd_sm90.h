@@ -222,6 +222,23 @@ struct Sm90FwdEpilogue {
         }
     }
 
+    // The learnable sink of each of this thread's rows (common/softmax.h join_sink), once the
+    // tile's pieces are merged. A packed tile's row r is of query head bidh * pack + r % pack.
+    template <class AccO, int kRows>
+    static __device__ void join_sinks(FwdParams const& p, int bidh, Sm90TileGeometry const& g,
+                                      AccO& acc_o, float (&lse)[kRows]) {
+        Tensor o_rc = make_tensor(acc_o.data(), wgmma_acc_as_rows_cols(acc_o.layout()));
+        Tensor cO_rc = output_coords(int(threadIdx.x) - 128);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+            int head = bidh;
+            if constexpr (Traits::kPackGQA) {
+                head = bidh * p.pack_gqa + (g.row0 + get<0>(cO_rc(r, 0))) % p.pack_gqa;
+            }
+            join_sink(o_rc(r, _), lse[r], p.sink[head]);
+        }
+    }
+
     // The LSE of this thread's rows inside the sequence (one lane per quad writes a row's).
     template <int kRows>
     static __device__ void store_lse(FwdParams const& p, SeqInfo const& seq, int bidb, int bidh,

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             if constexpr (Traits::kSplitTiles) {
                 if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, g, acc_o, lse);
             }
+            if (stores && a.p.sink != nullptr) Epilogue::join_sinks(a.p, t.bidh, g, acc_o, lse);
             if (staged) {
                 if (stores) {
                     Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state, out_phase,

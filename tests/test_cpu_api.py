@@ -547,11 +547,12 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         @staticmethod
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None):
+                kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
+                sink=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
-                                leftpad_k=leftpad_k, alibi_slopes=alibi_slopes)
+                                leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
@@ -561,7 +562,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                                      enumerate(leftpad_k.tolist())]) for x in (k, v))
             return list(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes))
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink))
 
         @staticmethod
         def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -584,7 +585,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
-                                leftpad_k=None, alibi_slopes=None)
+                                leftpad_k=None, alibi_slopes=None, sink=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
@@ -679,4 +680,4 @@ def test_main_lists_features_by_code_path():
     assert lines["dropout_p > 0 (CPU: the reference)"].count("NotImplementedError") == 2
     assert lines["FP8 e4m3 inputs (CPU: the reference)"].count("NotImplementedError") == 2
     assert lines["v head dim != q's (CPU: the reference)"].count("NotImplementedError") == 2
-    assert "ops.add_sink" in lines["learnable sink (s_aux)"]
+    assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["learnable sink (s_aux)"]

@@ -69,6 +69,10 @@ struct AttnShape {
     index_t alibi_batch_stride = 0;
     float alibi_unit = 0.f;
 
+    // Learnable sink, optional (forward only; common/softmax.h join_sink): sink[h], float32,
+    // one logit per query head. The backward needs nothing of it but the LSE that includes it.
+    const float* sink = nullptr;
+
     // Bottom-right aligned window; negative means unbounded on that side.
     int window_left = -1;
     int window_right = -1;

@@ -182,4 +182,21 @@ struct OnlineSoftmax {
     }
 };
 
+// A learnable sink (gpt-oss) joined to one finished row: its logit `sink` (natural log, the
+// scores' units after the scale) adds exp(sink) to the row's sum, so the row's LSE becomes
+// logaddexp(lse, sink) and its normalised output shrinks by exp(lse - that). A row without a
+// kept key (lse = +inf, output 0) gets lse = sink; with a -inf sink too it stays +inf. Applied
+// once per row after split pieces are merged, so every piece runs without it.
+template <class Row>
+__forceinline__ __device__ void join_sink(Row&& o_row, float& lse, float sink) {
+    const float kept = lse == INFINITY ? -INFINITY : lse;
+    const float top = fmaxf(kept, sink);
+    if (top == -INFINITY) return;
+    const float joined = top + __logf(__expf(kept - top) + __expf(sink - top));
+    const float shrink = __expf(kept - joined);
+    CUTE_UNROLL
+    for (int c = 0; c < size(o_row); ++c) o_row(c) *= shrink;
+    lse = joined;
+}
+
 }  // namespace flash

@@ -187,6 +187,11 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     float lse[kRows];
     softmax.finalize(o_rc, p.scale_log2, lse);
+    if (p.sink != nullptr) {
+        const float sink = p.sink[bidh];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) join_sink(o_rc(r, _), lse[r], sink);
+    }
 
     // Epilogue: O through shared memory (reusing Q's tile) for 16-byte coalesced stores.
     Tensor rO = convert_fragment<T>(acc_o);

@@ -22,9 +22,9 @@ not exposed (the ops are functional, ``mutates_args=()``; the extension is calle
 for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
 handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
-float32 ``(nheads,)``), which ``_C`` does not take: the CPU kernels implement it in the
-reference; the CUDA ``_fwd`` joins it to the kernel's result (:func:`add_sink`), and the CUDA
-``_bwd`` needs nothing of it (its ``softmax_lse`` already includes the sink). ``_fwd``'s
+float32 ``(nheads,)``): the CPU kernels implement it in the reference, ``_C.fwd`` takes it
+(its kernels join it to each finished row; :func:`add_sink` does the same for a call with no
+keys, which launches nothing), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse`` already includes the sink). ``_fwd``'s
 autograd formula returns the sink's gradient, computed from ``out``, ``dout`` and
 ``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and ``rng_state``
 (int64 ``(2,)``: the mask's seed and offset, flash_attn/dropout.py), which ``_C`` does not take
@@ -288,17 +288,17 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         out, lse = _empty_forward(q, v, cu_seqlens_q)
-    else:
-        require_kernel("fwd", q.dtype, q.shape[-1], q.device)
-        ext = load_extension()
-        out, lse = ext.fwd(
-            q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
-            block_table, leftpad_k, alibi_slopes,
-        )
-    if sink is not None:
-        # Not yet in the kernels' softmax: one more pass over out (docs/INTERNALS.md).
-        out, lse = add_sink(out, lse, sink, cu_seqlens_q is not None)
+        if sink is not None:  # every row attends to nothing: the sink alone
+            out, lse = add_sink(out, lse, sink, cu_seqlens_q is not None)
+        return out, lse
+    require_kernel("fwd", q.dtype, q.shape[-1], q.device)
+    # A tuple: the binding returns a list, which the eager autograd.Function (_FlashAttnFunc)
+    # would take as one non-tensor output, leaving out without a grad_fn.
+    out, lse = load_extension().fwd(
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+        block_table, leftpad_k, alibi_slopes, sink,
+    )
     return out, lse
 
 
