@@ -25,25 +25,15 @@ __forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
     for (int i = 0; i < size(s); ++i) s(i) = fast_tanh(s(i) * prescale);
 }
 
-// Adds ALiBi's bias to the scores: `s` and `coord` as for apply_mask below. An int-to-float
-// conversion issues at a quarter of the FP32 rate or less, and the softmax around it is bound by
-// exp2, which also issues slowly; converting every element's distance (102 conversions against
-// 336 exp2 in the SM90 d=128 kernel's PTX) left the ALiBi forward at 0.84-0.89 of the plain one.
-// The distance is converted once per row instead; a column's offset from the thread's first
-// column is a compile-time constant, so each element costs FP32 instructions only (6 conversions
-// left). Distances below 2^24 are exact in float, so the bias equals AlibiBias(row, col).
+// Adds ALiBi's bias to the scores: `s` and `coord` as for apply_mask below.
 template <class Tensor, class Coord>
 __forceinline__ __device__ void apply_alibi(Tensor& s, Coord const& coord, AlibiBias const& bias,
                                             int row0, int col0) {
-    const int c_first = get<1>(coord(0, 0));
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
-        const float row_dist =
-            float(row0 + get<0>(coord(r, 0)) + bias.shift - col0 - c_first);
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s); ++c) {
-            const int dc = get<1>(coord(r, c)) - c_first;  // folds to a constant
-            s(r, c) -= bias.slope * fabsf(row_dist - float(dc));
+            s(r, c) += bias(row0 + get<0>(coord(r, c)), col0 + get<1>(coord(r, c)));
         }
     }
 }
