@@ -325,6 +325,25 @@ void set_alibi(flash::AttnShape& s, const std::optional<at::Tensor>& slopes, con
     s.alibi_unit = s.softcap > 0.f ? 1.f / s.softcap : 1.f / s.softmax_scale;
 }
 
+// Dropout (dropout_p > 0): the mask's (seed, offset) come from rng_state, int64 (2,) on q's device,
+// which the kernels read, so that a replayed CUDA graph uses the values its capture wrote there.
+// The SM80 kernels draw it (common/dropout.h).
+void set_dropout(flash::AttnShape& s, double dropout_p, const std::optional<at::Tensor>& rng_state,
+                 const at::Tensor& q) {
+    if (dropout_p <= 0.0) return;
+    FA_CHECK(dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ", dropout_p);
+    FA_CHECK(rng_state.has_value() && rng_state->scalar_type() == at::kLong &&
+                 rng_state->numel() == 2 && rng_state->is_contiguous() &&
+                 rng_state->device() == q.device(),
+             "flash_attn: dropout needs rng_state, a contiguous int64 tensor of 2 elements "
+             "(seed, offset) on q's device");
+    s.rng_state = rng_state->data_ptr<int64_t>();
+    // Round half to even, as Python's round() in flash_attn/dropout.py.
+    const double keep = std::nearbyint((1.0 - dropout_p) * 65536.0);
+    s.dropout_keep = uint32_t(std::clamp(keep, 0.0, 65536.0));
+    s.dropout_scale = float(1.0 / (1.0 - dropout_p));
+}
+
 // Grids are flat and gridDim.x is at most 2^31 - 1. Every tile (and the row kernels' blocks)
 // covers at least 64 rows, so this bound holds for each launch.
 void check_grid(const Problem& pb) {
@@ -363,7 +382,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             std::optional<at::Tensor> block_table,
                             std::optional<at::Tensor> leftpad_k,
                             std::optional<at::Tensor> alibi_slopes,
-                            std::optional<at::Tensor> sink) {
+                            std::optional<at::Tensor> sink, double dropout_p,
+                            std::optional<at::Tensor> rng_state) {
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
     if (sink.has_value()) {
@@ -382,10 +402,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
-    // block_n); other page sizes run on the SM80 kernels (key blocks of 64).
+    // block_n); other page sizes run on the SM80 kernels (key blocks of 64), and so does dropout,
+    // which only they draw.
     const int tier = flash::headdim_tier(int(pb.headdim));
     const bool sm90_ok =
-        pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0;
+        dropout_p <= 0.0 &&
+        (pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0);
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 
@@ -425,6 +447,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (kv_batch_idx.has_value()) p.kv_batch_idx = kv_batch_idx->data_ptr<int>();
     if (leftpad_k.has_value()) p.leftpad_k = leftpad_k->data_ptr<int>();
     set_alibi(p, alibi_slopes, pb, q);
+    set_dropout(p, dropout_p, rng_state, q);
     if (sink.has_value()) p.sink = sink->data_ptr<float>();
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
@@ -457,7 +480,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
                             std::optional<at::Tensor> cu_seqlens_k, int64_t max_seqlen_q,
                             int64_t max_seqlen_k, double softmax_scale, bool causal,
                             int64_t window_left, int64_t window_right, double softcap,
-                            bool deterministic, std::optional<at::Tensor> alibi_slopes) {
+                            bool deterministic, std::optional<at::Tensor> alibi_slopes,
+                            double dropout_p, std::optional<at::Tensor> rng_state) {
     const Problem pb =
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);
@@ -475,7 +499,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     const at::Tensor out = kernel_ready(out_in), dout = kernel_ready(dout_in);
-    const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim);
+    // Dropout runs on the SM80 backward, which draws the mask as the SM80 forward did.
+    const auto& entry = find_kernel(Kind::kBwd, dtype_of(q), pb.headdim, dropout_p <= 0.0);
     check_grid(pb);
 
     // Rows outside every varlen sequence get no kernel writes: start them at zero.
@@ -524,6 +549,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
                softcap);
     set_alibi(p, alibi_slopes, pb, q);
+    set_dropout(p, dropout_p, rng_state, q);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
@@ -721,13 +747,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
           py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none(),
-          py::arg("alibi_slopes") = py::none(), py::arg("sink") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sink") = py::none(),
+          py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
     m.def("bwd", &bwd, "attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
           py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
           py::arg("causal"), py::arg("window_left"), py::arg("window_right"),
-          py::arg("softcap"), py::arg("deterministic"), py::arg("alibi_slopes") = py::none());
+          py::arg("softcap"), py::arg("deterministic"), py::arg("alibi_slopes") = py::none(),
+          py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
     m.def("kvcache_update", &kvcache_update, "flash_attn_with_kvcache's cache update",
           py::arg("k_cache"), py::arg("v_cache"), py::arg("q_rot"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("cache_seqlens"), py::arg("seqlen_offset"),

@@ -90,7 +90,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),
         ("deterministic=True backward", sm90(bwd90, ""), "SM80"),
         ("learnable sink (s_aux)", sm90(fwd90, ""), "SM80"),
-        ("dropout_p > 0 (CPU: the reference)", unsupported, unsupported),
+        ("dropout_p > 0", "SM80", "SM80"),
         ("FP8 e4m3 inputs (CPU: the reference)", unsupported, unsupported),
         ("v head dim != q's (CPU: the reference)", unsupported, unsupported),
     ]

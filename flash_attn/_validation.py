@@ -6,8 +6,8 @@ given and what is expected:
 
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
-* ``NotImplementedError``: a valid combination this package does not implement (dropout on
-  CUDA, a left-padded paged KV cache, a forced split count).
+* ``NotImplementedError``: a valid combination this package does not implement (FP8 or a
+  v head dim other than q's on CUDA, a left-padded paged KV cache, a forced split count).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -74,7 +74,7 @@ class AttnArgs(NamedTuple):
     dtype: torch.dtype
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
     sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
-    dropout_p: float = 0.0  # > 0 only on CPU (the reference); flash_attn/dropout.py
+    dropout_p: float = 0.0  # the mask: flash_attn/dropout.py
 
 
 def check_inputs_enabled() -> bool:
@@ -323,12 +323,6 @@ def _check_options(
     p = float(dropout_p)
     if not (0.0 <= p < 1.0):
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if p > 0.0 and device_type != "cpu":
-        raise NotImplementedError(
-            f"{fn}: dropout is not implemented by the CUDA kernels yet (got "
-            f"dropout_p={dropout_p!r}); the CPU reference implements it: pass dropout_p=0.0 "
-            f"(apply dropout outside attention if you need it), or CPU tensors"
-        )
 
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(headdim)

@@ -1,8 +1,9 @@
 """The attention-dropout mask: which scores are kept, defined once for the CUDA kernels and the
 reference path (issue 29, item 3).
 
-Status: the CPU reference path (flash_attn.reference) applies it; the CUDA kernels do not
-draw it yet (``dropout_p > 0`` on CUDA raises ``NotImplementedError``). A call's generator state
+Status: the CPU reference path (flash_attn.reference) and the SM80 CUDA kernels
+(csrc/common/dropout.h, which every GPU runs under dropout) apply it; the SM90 kernels do not
+draw it yet. A call's generator state
 is an int64 tensor ``rng_state = (seed, offset)`` (:func:`new_rng_state`), which the backward
 and ``return_attn_probs`` replay.
 
@@ -94,11 +95,12 @@ def keep_threshold(dropout_p: float) -> int:
     return min(65536, max(0, round((1.0 - dropout_p) * 65536)))
 
 
-def new_rng_state() -> Tensor:
-    """A call's (seed, offset), int64 (2,) on the CPU, drawn from torch's default CPU
-    generator: ``torch.manual_seed`` reproduces it. (The CUDA kernels will read theirs from the
-    CUDA generator inside the kernel, so that CUDA graphs replay fresh masks.)"""
-    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64)
+def new_rng_state(device=None) -> Tensor:
+    """A call's (seed, offset), int64 (2,) on ``device`` (default the CPU), drawn from that
+    device's default generator: ``torch.manual_seed`` reproduces it. On CUDA the draw is a kernel
+    that writes device memory, which the attention kernels read: no host sync, and a captured
+    CUDA graph draws fresh values on every replay (torch's graph-safe generator state)."""
+    return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
 
 
 def _block_random16(seed: int, offset: int, bh: Tensor, row_blocks: int,

@@ -15,8 +15,8 @@ Notes common to all functions:
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
   of the original head dim. Gradients flow back through the padding and the slicing.
-* ``dropout_p > 0`` runs on the CPU reference (the mask of ``flash_attn/dropout.py``, drawn
-  from torch's CPU generator); on CUDA it raises ``NotImplementedError``.
+* ``dropout_p > 0`` draws the mask of ``flash_attn/dropout.py`` from the generator of q's device
+  (on CUDA in the SM80 kernels, forward and backward, on every GPU).
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after
   FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
   has it in its softmax, the CUDA forward kernels join it to each finished row, and the
@@ -78,7 +78,7 @@ def _forward(
     pad_v = -hd % 8
     if pad_v:
         v = F.pad(v, [0, pad_v])
-    rng_state = new_rng_state() if a.dropout_p > 0.0 else None
+    rng_state = new_rng_state(q.device) if a.dropout_p > 0.0 else None
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
@@ -167,10 +167,10 @@ _SINK_ARGS_DOC = """
 
 _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability, applied to the attention probabilities (kept
-            ones scaled by 1 / (1 - dropout_p)); 0.0 during evaluation. CPU tensors only for
-            now (the mask of flash_attn/dropout.py, drawn from torch's CPU generator, so
-            torch.manual_seed reproduces it); on CUDA dropout_p > 0 raises
-            NotImplementedError.""" + _SCORE_ARGS_DOC + """
+            ones scaled by 1 / (1 - dropout_p)); 0.0 during evaluation. The mask of
+            flash_attn/dropout.py, seeded from the generator of q's device, so
+            torch.manual_seed reproduces it (on CUDA the SM80 kernels draw it, also on
+            H100).""" + _SCORE_ARGS_DOC + """
         deterministic: bool. Whether to use the deterministic implementation of the backward
             pass: dq's partial sums are added in a fixed order, so repeated runs give bitwise
             equal gradients. Both CUDA kernel families implement it (the key tiles add their

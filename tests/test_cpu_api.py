@@ -548,11 +548,12 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-                sink=None):
+                sink=None, dropout_p=0.0, rng_state=None):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
-                                leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink)
+                                leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink,
+                                dropout_p=dropout_p, rng_state=rng_state)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
@@ -567,8 +568,9 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         @staticmethod
         def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, deterministic, alibi_slopes=None):
-            calls["bwd"] = dict(dq=dq, deterministic=deterministic, alibi_slopes=alibi_slopes)
+                softcap, deterministic, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+            calls["bwd"] = dict(dq=dq, deterministic=deterministic, alibi_slopes=alibi_slopes,
+                                dropout_p=dropout_p, rng_state=rng_state)
             return list(reference.attention_backward_ref(
                 dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
@@ -585,14 +587,16 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
-                                leftpad_k=None, alibi_slopes=None, sink=None)
+                                leftpad_k=None, alibi_slopes=None, sink=None, dropout_p=0.0,
+                                rng_state=None)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
                                              True, 2, 0, 1.5)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert calls["bwd"] == dict(dq=None, deterministic=False, alibi_slopes=None)
+    assert calls["bwd"] == dict(dq=None, deterministic=False, alibi_slopes=None, dropout_p=0.0,
+                                rng_state=None)
     # alibi_slopes last of fwd and of bwd
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     out, lse = ops._fwd_cuda(*args, False, None, None, None, slopes)
@@ -677,7 +681,8 @@ def test_main_lists_features_by_code_path():
     assert "NotImplementedError" not in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, else SM80" in lines["deterministic=True backward"]
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward with alibi_slopes"]
-    assert lines["dropout_p > 0 (CPU: the reference)"].count("NotImplementedError") == 2
+    assert "NotImplementedError" not in lines["dropout_p > 0"]
+    assert "SM90" not in lines["dropout_p > 0"]
     assert lines["FP8 e4m3 inputs (CPU: the reference)"].count("NotImplementedError") == 2
     assert lines["v head dim != q's (CPU: the reference)"].count("NotImplementedError") == 2
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["learnable sink (s_aux)"]

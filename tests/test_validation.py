@@ -313,13 +313,10 @@ def test_block_table_needs_paged_k():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_not_implemented_on_cuda(p):
-    """The CPU reference implements dropout (tests/test_dropout.py); a CUDA call raises before
-    any kernel runs, naming the argument and the CPU path."""
-    with raises(NotImplementedError, "flash_attn_func", "dropout is not implemented by the CUDA",
-                f"dropout_p={p}", "CPU"):
-        V._check_options("flash_attn_func", "cuda", 8, p, None, False, (-1, -1), 0.0, False,
-                         False)
+def test_dropout_accepted_on_both_devices(p):
+    """Both paths implement dropout (tests/test_dropout.py, tests/test_dropout_gpu.py)."""
+    assert V._check_options("flash_attn_func", "cuda", 8, p, None, False, (-1, -1), 0.0, False,
+                            False)[-1] == p
     assert V._check_options("flash_attn_func", "cpu", 8, p, None, False, (-1, -1), 0.0, False,
                             False)[-1] == p
 

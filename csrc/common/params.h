@@ -69,6 +69,14 @@ struct AttnShape {
     index_t alibi_batch_stride = 0;
     float alibi_unit = 0.f;
 
+    // Dropout, optional (SM80 kernels): rng_state = (seed, offset), int64 in device memory, so
+    // that a CUDA graph replays fresh values; a score is kept when its 16-bit number is below
+    // dropout_keep (round((1 - p) * 65536), common/dropout.h), and kept probabilities are scaled
+    // by dropout_scale = 1 / (1 - p).
+    const int64_t* rng_state = nullptr;
+    uint32_t dropout_keep = 65536;
+    float dropout_scale = 1.f;
+
     // Learnable sink, optional (forward only; common/softmax.h join_sink): sink[h], float32,
     // one logit per query head. The backward needs nothing of it but the LSE that includes it.
     const float* sink = nullptr;

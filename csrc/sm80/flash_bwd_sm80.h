@@ -12,6 +12,7 @@
 
 #include "common/bwd_rows.h"
 #include "common/dq_turns.h"
+#include "common/dropout.h"
 #include "common/params.h"
 #include "common/seq_info.h"
 #include "sm80_traits.h"
@@ -94,7 +95,7 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     });
 }
 
-// kExtras: ALiBi and deterministic=True, in an instantiation of their own (which also runs
+// kExtras: ALiBi, deterministic=True and dropout, in an instantiation of their own (which also runs
 // without ALiBi: its bias is then 0), so the plain kernel keeps its code and registers (a
 // run-time ALiBi flag cost it 2-6%; the deterministic turns raised its spills from 32 to 132
 // bytes at d=128).
@@ -275,23 +276,33 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
             apply_mask(s_rc, cS_rc, mask, row0, col0);
         }
+        constexpr int kCols = decltype(size<1>(s_rc))::value;
+        [[maybe_unused]] uint32_t kept[(kRows * kCols + 31) / 32];
+        [[maybe_unused]] const bool dropout = kExtras && p.rng_state != nullptr;
         if constexpr (kExtras) {
             if (p.alibi_slopes != nullptr) bias = seq.alibi(p, bidb, bidh);
+            if (dropout) dropout_keep_bits(cS_rc, DropoutRng(p, bidb, bidh), row0, col0, kept);
         }
         // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap (t
-        // without ALiBi's bias, a constant of the score).
+        // without ALiBi's bias, a constant of the score). Under dropout (mask Z, kept entries
+        // scaled by 1 / (1 - p)): dV takes P * Z, and dP = dO V^T reaches the scores through Z
+        // too, dS = P * (dP * Z - D); D = rowsum(dO * O) already holds the dropped output.
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
-            for (int c = 0; c < size<1>(s_rc); ++c) {
+            for (int c = 0; c < kCols; ++c) {
                 const float t = s_rc(r, c);
                 float x = t;
                 if constexpr (kExtras) {
                     x += bias(row0 + get<0>(cS_rc(r, c)), col0 + get<1>(cS_rc(r, c)));
                 }
                 const float prob = exp2f(x * p.scale_log2 - lse_log2[r]);
-                s_rc(r, c) = prob;
-                dp_rc(r, c) = prob * (dp_rc(r, c) - row_d[r]);
+                float z = 1.f;
+                if constexpr (kExtras) {
+                    if (dropout) z = dropout_kept(kept, r * kCols + c) ? p.dropout_scale : 0.f;
+                }
+                s_rc(r, c) = prob * z;
+                dp_rc(r, c) = prob * (dp_rc(r, c) * z - row_d[r]);
                 if constexpr (kGeneral) {
                     if (softcap) dp_rc(r, c) *= fmaxf(1.f - t * t, 0.f);
                 }
@@ -384,7 +395,7 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
                   p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
-    auto kernel = p.alibi_slopes != nullptr || p.deterministic
+    auto kernel = p.alibi_slopes != nullptr || p.deterministic || p.rng_state != nullptr
                       ? flash_bwd_sm80_kernel<T, kHeadDim, true>
                       : flash_bwd_sm80_kernel<T, kHeadDim, false>;
     if (K::kSmemBytes >= 48 * 1024) {

@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/params.h"
+#include "common/dropout.h"
 #include "common/seq_info.h"
 #include "sm80_traits.h"
 #include "sm80_utils.h"
@@ -37,8 +38,9 @@ struct Sm80Fwd {
     static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
 };
 
-// kAlibi: its own instantiation, so the kernels without ALiBi keep their code and registers.
-template <class T, int kHeadDim, bool kAlibi>
+// kExtras (ALiBi or dropout): its own instantiation, so the kernels without them keep their code
+// and registers.
+template <class T, int kHeadDim, bool kExtras>
 __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     flash_fwd_sm80_kernel(const __grid_constant__ FwdParams p) {
     using K = Sm80Fwd<T, kHeadDim>;
@@ -160,7 +162,11 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         if constexpr (decltype(general)::value) {
             if (softcap) apply_softcap(acc_s, p.softcap_prescale);
         }
-        if constexpr (kAlibi) apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), row0, n * kBlockN);
+        if constexpr (kExtras) {
+            if (p.alibi_slopes != nullptr) {
+                apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), row0, n * kBlockN);
+            }
+        }
         if constexpr (decltype(general)::value) apply_mask(s_rc, cS_rc, mask, row0, n * kBlockN);
 
         cp_async_wait<0>();
@@ -171,6 +177,21 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
         }
 
         softmax.update(s_rc, o_rc, p.scale_log2);
+        if constexpr (kExtras) {
+            // Dropped probabilities leave P V but not the row sums; 1 / (1 - p) scales O at the end.
+            if (p.rng_state != nullptr) {
+                constexpr int kCols = decltype(size<1>(s_rc))::value;
+                uint32_t kept[(kRows * kCols + 31) / 32];
+                dropout_keep_bits(cS_rc, DropoutRng(p, bidb, bidh), row0, n * kBlockN, kept);
+                CUTE_UNROLL
+                for (int r = 0; r < kRows; ++r) {
+                    CUTE_UNROLL
+                    for (int c = 0; c < kCols; ++c) {
+                        if (!dropout_kept(kept, r * kCols + c)) s_rc(r, c) = 0.f;
+                    }
+                }
+            }
+        }
         Tensor rP = convert_fragment<T>(acc_s);
         Tensor rP_a = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
         gemm_reg_smem(mma, acc_o, rP_a, rVt, sVt_part, copy_v);
@@ -187,6 +208,12 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
     float lse[kRows];
     softmax.finalize(o_rc, p.scale_log2, lse);
+    if constexpr (kExtras) {
+        if (p.rng_state != nullptr) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(o_rc); ++i) o_rc(i) *= p.dropout_scale;
+        }
+    }
     if (p.sink != nullptr) {
         const float sink = p.sink[bidh];
         CUTE_UNROLL
@@ -223,8 +250,9 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 template <class T, int kHeadDim>
 void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
     using K = Sm80Fwd<T, kHeadDim>;
-    auto kernel = p.alibi_slopes != nullptr ? flash_fwd_sm80_kernel<T, kHeadDim, true>
-                                            : flash_fwd_sm80_kernel<T, kHeadDim, false>;
+    auto kernel = p.alibi_slopes != nullptr || p.rng_state != nullptr
+                      ? flash_fwd_sm80_kernel<T, kHeadDim, true>
+                      : flash_fwd_sm80_kernel<T, kHeadDim, false>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }

@@ -54,7 +54,7 @@ from torch import Tensor
 from .. import reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
-           "sink_grad", "add_sink", "reject_cuda_dropout"]
+           "sink_grad", "add_sink"]
 
 _EXT = None
 
@@ -135,16 +135,6 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         f"FLASH_ATTN_DTYPES including {dt}"
         + (" and FLASH_ATTN_DISABLE_BACKWARD unset" if kind == "bwd" else "")
         + "; `python -m flash_attn` lists what was built.")
-
-
-def reject_cuda_dropout() -> None:
-    """The NotImplementedError of dropout on CUDA (validation raises it first for the public
-    entry points; the ops raise it for direct callers)."""
-    raise NotImplementedError(
-        "flash_attn: dropout is not implemented by the CUDA kernels yet; the CPU reference "
-        "implements it (flash_attn/dropout.py defines the mask): pass dropout_p=0.0, or CPU "
-        "tensors"
-    )
 
 
 def add_sink(out: Tensor, lse: Tensor, sink: Tensor, varlen: bool) -> Tuple[Tensor, Tensor]:
@@ -283,8 +273,6 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
               sink=None, dropout_p=0.0, rng_state=None):
-    if dropout_p > 0.0:
-        reject_cuda_dropout()
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         out, lse = _empty_forward(q, v, cu_seqlens_q)
@@ -297,7 +285,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     out, lse = load_extension().fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
-        block_table, leftpad_k, alibi_slopes, sink,
+        block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
     )
     return out, lse
 
@@ -368,8 +356,6 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
               deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
     # The sink needs nothing here: softmax_lse includes it, and P = exp(S - lse) is then the
     # probability of each key with the sink in the denominator.
-    if dropout_p > 0.0:
-        reject_cuda_dropout()
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)
@@ -377,7 +363,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
     dq, dk, dv = ext.bwd(
         dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-        deterministic, alibi_slopes,
+        deterministic, alibi_slopes, dropout_p, rng_state,
     )
     return dq, dk, dv
 

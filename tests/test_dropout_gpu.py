@@ -1,0 +1,139 @@
+"""Dropout on CUDA (the SM80 kernels draw the mask of flash_attn/dropout.py, on every GPU):
+out, dq, dk, dv against the float64 reference that replays the mask from the call's generator
+state, under the accuracy rule; varlen per sequence; return_attn_probs negating the dropped
+entries; the kept fraction and the mean; torch.manual_seed reproducing a call; a CUDA graph
+drawing a fresh mask on each replay.
+"""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_ref import compare_to_ref, plain_qkv, rand  # noqa: E402
+from attn_ref import poisoned_allocator  # noqa: E402,F401  (autouse fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+if torch.cuda.is_available():
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    from flash_attn.dropout import dropout_factor, new_rng_state
+
+F64 = torch.float64
+
+
+def state_after_seed(seed: int) -> torch.Tensor:
+    """The generator state a CUDA call draws right after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return new_rng_state("cuda")
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, p)
+    (2, 128, 128, 4, 4, 64, False, (-1, -1), 0.1),
+    (2, 197, 301, 4, 2, 128, True, (-1, -1), 0.3),
+    (1, 300, 300, 2, 1, 128, False, (64, 16), 0.5),
+    (3, 75, 40, 2, 2, 64, False, (-1, -1), 0.2),
+    (1, 1, 129, 2, 2, 128, False, (-1, -1), 0.17),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}x{c[2]}-d{c[5]}-p{c[8]}" for c in CASES])
+def test_fwd_bwd_replays_the_mask(case, dtype):
+    b, sq, sk, h, hk, d, causal, window, p = case
+    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), \
+        rand(b, sk, hk, d, dtype=dtype)
+    torch.manual_seed(7)
+    out = flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window)
+    factor = dropout_factor(state_after_seed(7), p, 0, b, h, sq, sk, F64, device="cuda")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    compare_to_ref(out, grads, [q, k, v], plain_qkv,
+                   {"causal": causal, "window_size": window, "drop": factor}, dout)
+
+
+def test_varlen_replays_each_sequence_mask():
+    lens_q, lens_k, h, d, p = [65, 0, 130, 17], [80, 33, 130, 200], 2, 64, 0.25
+    dev = "cuda"
+    cu_q = torch.tensor([0] + lens_q, device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=dev).cumsum(0).to(torch.int32)
+    q = rand(sum(lens_q), h, d, dtype=torch.bfloat16)
+    k = rand(sum(lens_k), h, d, dtype=torch.bfloat16)
+    v = rand(sum(lens_k), h, d, dtype=torch.bfloat16)
+    torch.manual_seed(11)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=p,
+                                 causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    state = state_after_seed(11)
+    for bi in range(len(lens_q)):
+        q0, q1 = int(cu_q[bi]), int(cu_q[bi + 1])
+        k0, k1 = int(cu_k[bi]), int(cu_k[bi + 1])
+        if q1 == q0:
+            continue
+        factor = dropout_factor(state, p, bi, 1, h, q1 - q0, k1 - k0, F64, device=dev)
+        leaves = [x[None, a:z].detach() for x, a, z in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        compare_to_ref(out[None, q0:q1], [grads[0][None, q0:q1], grads[1][None, k0:k1],
+                                          grads[2][None, k0:k1]],
+                       leaves, plain_qkv, {"causal": True, "drop": factor}, dout[None, q0:q1],
+                       tag=f" sequence {bi}")
+
+
+def test_return_attn_probs_negates_the_dropped():
+    q, k, v = (rand(2, 96, 2, 64, dtype=torch.bfloat16, requires_grad=False) for _ in range(3))
+    torch.manual_seed(5)
+    _, _, probs = flash_attn_func(q, k, v, dropout_p=0.4, return_attn_probs=True)
+    factor = dropout_factor(state_after_seed(5), 0.4, 0, 2, 2, 96, 96, F64, device="cuda")
+    assert torch.equal(probs < 0, factor == 0)
+
+
+def test_reproducible_and_fresh_per_call():
+    q, k, v = (rand(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=False)
+               for _ in range(3))
+    torch.manual_seed(9)
+    a = flash_attn_func(q, k, v, dropout_p=0.5)
+    b = flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(9)
+    c = flash_attn_func(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+
+
+def test_kept_fraction_and_mean():
+    """Over many calls the kept fraction is 1 - p, and the mean output is the output without
+    dropout (kept probabilities are rescaled)."""
+    q, k, v = (rand(1, 128, 2, 64, dtype=torch.float16, requires_grad=False) for _ in range(3))
+    p, calls = 0.3, 400
+    plain = flash_attn_func(q, k, v).double()
+    total = torch.zeros_like(plain)
+    for _ in range(calls):
+        total += flash_attn_func(q, k, v, dropout_p=p).double()
+    _, _, probs = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
+    kept = (probs > 0).double().mean().item()
+    n = probs.numel()
+    assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    err = (total / calls - plain).abs().max().item()
+    assert err < 6 * v.abs().max().item() * math.sqrt(p / (1 - p) / calls)
+
+
+def test_cuda_graph_replays_draw_fresh_masks():
+    q, k, v = (rand(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=False)
+               for _ in range(3))
+    flash_attn_func(q, k, v, dropout_p=0.3)  # warm-up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    first = out.clone()
+    g.replay()
+    assert not torch.equal(first, out)
+    plain = flash_attn_func(q, k, v)
+    assert (first.float() - plain.float()).abs().max().item() > 0
