@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     // One query tile. The general variant (mask or softcap) is a separate instantiation: folded
     // into one body, the compiler predicates the mask and tanh code instead of branching over
     // it, and every tile pays its issue slots (SASS: 30% of the loop's instructions).
-    auto step = [&](int m, auto general) {
+    auto step = [&](int m, auto general) CUTLASS_LAMBDA_FUNC_INLINE {
         constexpr bool kGeneral = decltype(general)::value;
         const int row0 = m * kBlockM;
         const int rows_left = seq.seqlen_q - row0;

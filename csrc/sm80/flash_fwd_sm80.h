@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     // One key tile. The general variant (mask or softcap) is a separate instantiation, so the
     // per-element mask and tanh code neither adds register pressure to the plain tiles nor
     // spends their issue slots as predicated-off instructions.
-    auto step = [&](int n, auto general) {
+    auto step = [&](int n, auto general) CUTLASS_LAMBDA_FUNC_INLINE {
         Tensor acc_s = partition_fragment_C(mma, Shape<BM, BN>{});
         clear(acc_s);
         cp_async_wait<0>();
