@@ -89,9 +89,15 @@ def test_return_attn_probs_negates_the_dropped():
         rtol=1e-6)
 
 
-def test_reproducible_and_fresh_per_call():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA GPU"))])
+def test_reproducible_and_fresh_per_call(device):
+    """torch.manual_seed reproduces a call's mask (the CUDA kernels' too); the next call draws
+    another."""
     torch.manual_seed(4)
-    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 256, 2, 64, device=device, dtype=dtype) for _ in range(3))
     torch.manual_seed(9)
     a = flash_attn_func(q, k, v, dropout_p=0.5)
     b = flash_attn_func(q, k, v, dropout_p=0.5)

@@ -8,21 +8,22 @@ float64.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import traceback
-from typing import Dict
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flash_attn
 from flash_attn import (ring_flash_attn_func, ring_flash_attn_varlen_func, zigzag_shard,
-                        zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
+                        zigzag_unshard)
 from flash_attn.ring_attention import _backend_error
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ring_harness import (assert_case_ok, run_cases, shard_varlen, spawn_ranks,  # noqa: E402
+                          unshard_varlen)
 
 CHUNK = 3  # rows per zigzag chunk: the sequence is 2 * world * CHUNK long
 RTOL = 1e-10
@@ -123,21 +124,10 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
     cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
 
     def shard(x):
-        if zigzag:
-            x_local, cu_l = zigzag_shard_varlen(x, cu)
-            assert torch.equal(cu_l, cu_local)
-            return x_local
-        bounds = cu.tolist()
-        return torch.cat([x[a + rank * (b - a) // world:a + (rank + 1) * (b - a) // world]
-                          for a, b in zip(bounds, bounds[1:])])
+        return shard_varlen(x, cu, world, rank, zigzag)
 
     def unshard(x):
-        if zigzag:
-            return zigzag_unshard_varlen(x, cu_local)
-        every = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(every, x.contiguous())
-        bounds = cu_local.tolist()
-        return torch.cat([p[a:b] for a, b in zip(bounds, bounds[1:]) for p in every])
+        return unshard_varlen(x, cu_local, world, zigzag)
 
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out, lse = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world,
@@ -214,46 +204,31 @@ def _check_error(name: str, world: int, rank: int) -> None:
         raise KeyError(name)
 
 
+def _run_case(name: str, world: int, rank: int) -> None:
+    if name in VARLEN_CASES:
+        _check_varlen_case(name, world, rank)
+    elif name not in ERROR_CASES:
+        _check_case(name, world, rank)
+    else:
+        _check_error(name, world, rank)
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)
-    results: Dict[str, str] = {}
-    try:
-        for name in ALL_CASES:
-            try:
-                if name in VARLEN_CASES:
-                    _check_varlen_case(name, world, rank)
-                elif name not in ERROR_CASES:
-                    _check_case(name, world, rank)
-                else:
-                    _check_error(name, world, rank)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            # A failing case on one rank must not leave the others mid-ring for the next one.
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_cases(rank, out_dir, ALL_CASES, lambda name: _run_case(name, world, rank))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def ring_results(request, tmp_path_factory):
     world = request.param
-    d = tmp_path_factory.mktemp(f"ring{world}")
-    mp.start_processes(_worker, args=(world, str(d / "init"), str(d)), nprocs=world,
-                       join=True, start_method="spawn")
-    return world, [json.load(open(d / f"rank{r}.json")) for r in range(world)]
+    return spawn_ranks(_worker, world, tmp_path_factory.mktemp(f"ring{world}"))
 
 
 @pytest.mark.parametrize("name", ALL_CASES)
 def test_ring(ring_results, name):
-    world, results = ring_results
-    failures = {r: res.get(name, "not run") for r, res in enumerate(results)
-                if res.get(name) != "ok"}
-    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+    assert_case_ok(ring_results, name)
 
 
 def test_not_initialized_is_a_group_of_one():

@@ -9,18 +9,19 @@ float64 attention on the full sequence.
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
-from typing import Dict
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flash_attn import (ring_flash_attn_func, ring_flash_attn_varlen_func, zigzag_shard,
-                        zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
+                        zigzag_unshard)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ring_harness import (assert_case_ok, run_cases, shard_varlen, spawn_ranks,  # noqa: E402
+                          unshard_varlen)
 
 # Rows per zigzag chunk: not a multiple of any tile, so every sub-block ends mid-tile.
 CHUNK = 200
@@ -83,21 +84,13 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
     q, k, v, dout = (torch.randn(total, n, d, generator=g, device="cuda").to(dtype)
                      for n in (h, hk, hk, h))
     cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
-    bounds, local_bounds = cu.tolist(), cu_local.tolist()
+    bounds = cu.tolist()
 
     def shard(x):
-        if zigzag:
-            return zigzag_shard_varlen(x, cu)[0]
-        return torch.cat([x[a + rank * (b - a) // world:a + (rank + 1) * (b - a) // world]
-                          for a, b in zip(bounds, bounds[1:])])
+        return shard_varlen(x, cu, world, rank, zigzag)
 
     def unshard(x):
-        if zigzag:
-            return zigzag_unshard_varlen(x, cu_local)
-        every = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(every, x.contiguous())
-        return torch.cat([p[a:b] for a, b in zip(local_bounds, local_bounds[1:])
-                          for p in every])
+        return unshard_varlen(x, cu_local, world, zigzag)
 
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world, causal=causal,
@@ -135,29 +128,21 @@ def _check_error(name: str, world: int, rank: int) -> None:
         raise KeyError(name)
 
 
+def _run_case(name: str, world: int, rank: int) -> None:
+    if name in CASES:
+        _check_case(name, world, rank)
+    elif name in VARLEN_CASES:
+        _check_varlen_case(name, world, rank)
+    else:
+        _check_error(name, world, rank)
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
-    results: Dict[str, str] = {}
-    try:
-        for name in ALL_CASES:
-            try:
-                if name in CASES:
-                    _check_case(name, world, rank)
-                elif name in VARLEN_CASES:
-                    _check_varlen_case(name, world, rank)
-                else:
-                    _check_error(name, world, rank)
-                torch.cuda.synchronize()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    run_cases(rank, out_dir, ALL_CASES, lambda name: _run_case(name, world, rank),
+              torch.cuda.synchronize)
 
 
 def _worlds():
@@ -170,15 +155,9 @@ def ring_results(request, tmp_path_factory):
     world = request.param
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
-    d = tmp_path_factory.mktemp(f"ring_gpu{world}")
-    mp.start_processes(_worker, args=(world, str(d / "init"), str(d)), nprocs=world,
-                       join=True, start_method="spawn")
-    return world, [json.load(open(d / f"rank{r}.json")) for r in range(world)]
+    return spawn_ranks(_worker, world, tmp_path_factory.mktemp(f"ring_gpu{world}"))
 
 
 @pytest.mark.parametrize("name", ALL_CASES)
 def test_ring_gpu(ring_results, name):
-    world, results = ring_results
-    failures = {r: res.get(name, "not run") for r, res in enumerate(results)
-                if res.get(name) != "ok"}
-    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+    assert_case_ok(ring_results, name)
