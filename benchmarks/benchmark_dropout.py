@@ -8,6 +8,7 @@ bf16, 16k tokens per call, hidden 2048 (the grid of RESULTS.md); TFLOP/s from th
 """
 
 import os
+from typing import Callable, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +18,16 @@ from triton.testing import do_bench
 from flash_attn import flash_attn_func
 
 
-def _tflops(fn, flops: float) -> float:
+def _tflops(fn: Callable[[], object], flops: float) -> float:
     return flops / do_bench(fn, return_mode="median") / 1e9
 
 
-def _fwd_bwd(call, leaves):
+def _fwd_bwd(call: Callable[[], torch.Tensor],
+             leaves: Tuple[torch.Tensor, ...]) -> Callable[[], None]:
     out = call()
     g = torch.randn_like(out)
 
-    def run():
+    def run() -> None:
         torch.autograd.grad(call(), leaves, g)
 
     return run

@@ -18,11 +18,12 @@ import argparse
 import json
 import os
 import tempfile
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 
 
 def _flops(seqlen: int, nheads: int, hdim: int, causal: bool, what: str) -> float:
@@ -31,7 +32,8 @@ def _flops(seqlen: int, nheads: int, hdim: int, causal: bool, what: str) -> floa
     return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[what]
 
 
-def _time(fn, iters: int, barrier=None) -> float:
+def _time(fn: Callable[[], None], iters: int,
+          barrier: Optional[Callable[[], None]] = None) -> float:
     """Seconds per call."""
     for _ in range(3):
         fn()
@@ -47,29 +49,31 @@ def _time(fn, iters: int, barrier=None) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def _runs(q, k, v, call, causal: bool):
+def _runs(q: Tensor, k: Tensor, v: Tensor, call: Callable[..., Tensor],
+          causal: bool) -> Dict[str, Callable[[], None]]:
     """fwd and fwd+bwd closures for ``call(q, k, v, causal) -> out``."""
     dout = torch.randn_like(q)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
-    def fwd():
+    def fwd() -> None:
         with torch.no_grad():
             call(q, k, v, causal)
 
-    def fwd_bwd():
+    def fwd_bwd() -> None:
         out = call(*leaves, causal)
         torch.autograd.grad(out, leaves, dout)
 
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def _inputs(seqlen: int, nheads: int, hdim: int, device):
+def _inputs(seqlen: int, nheads: int, hdim: int, device: str) -> List[Tensor]:
     g = torch.Generator(device=device).manual_seed(0)
     return [torch.randn(1, seqlen, nheads, hdim, generator=g, device=device,
                         dtype=torch.bfloat16) for _ in range(3)]
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str, args) -> None:
+def _worker(rank: int, world: int, init_file: str, out_file: str,
+            args: argparse.Namespace) -> None:
     from flash_attn import ring_flash_attn_func
 
     torch.cuda.set_device(rank)
@@ -119,7 +123,8 @@ def main() -> None:
         out_file = os.path.join(d, "rows.json")
         mp.start_processes(_worker, args=(args.world, os.path.join(d, "init"), out_file, args),
                            nprocs=args.world, join=True, start_method="spawn")
-        rows = json.load(open(out_file))
+        with open(out_file) as f:
+            rows = json.load(f)
 
     name = torch.cuda.get_device_name()
     print(f"Ring attention, {args.world} x {name}, bf16, batch 1, {args.nheads} heads, "

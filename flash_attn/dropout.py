@@ -3,9 +3,8 @@ reference path (issue 29, item 3).
 
 Status: the CPU reference path (flash_attn.reference) and the SM80 CUDA kernels
 (csrc/common/dropout.h, which every GPU runs under dropout) apply it; the SM90 kernels do not
-draw it yet. A call's generator state
-is an int64 tensor ``rng_state = (seed, offset)`` (:func:`new_rng_state`), which the backward
-and ``return_attn_probs`` replay.
+draw it yet. A call's generator state is an int64 tensor ``rng_state = (seed, offset)``
+(:func:`new_rng_state`), which the backward and ``return_attn_probs`` replay.
 
 Definition. For query row ``i`` and key column ``j`` of a sequence (positions within the
 sequence, varlen too), query head ``h`` of batch entry (or varlen sequence) ``b``, with
@@ -24,12 +23,12 @@ Why this shape: ``lane`` and ``half`` are the lane and the register of the eleme
 accumulator fragments of both kernel families (``mma.sync`` m16n8 on SM80, WGMMA on SM90: in
 each 16 x 8 atom lane ``4g + t`` holds rows ``g, g + 8`` and columns ``2t, 2t + 1``), so a
 forward thread computes exactly one Philox call per 16 x 16 block and uses all 8 of its
-numbers. The SM90 backward holds the transposed scores (keys as rows); its threads compute the
-same calls for the transposed block and move the numbers to the transposed fragment with
-``movmatrix.trans`` (16-bit), so no thread computes a call twice there either. 16 bits make the
-kept fraction exact to 2^-16. This holds where a warp's 16 rows start at a multiple of 16:
-the SM90 forward's end-aligned band tiles and its GQA-packed rows do not, so under dropout
-those kernels turn end alignment and packing off (or a thread computes two calls per block).
+numbers. 16 bits make the kept fraction exact to 2^-16. For SM90 kernels drawing it (not built
+yet): the SM90 backward holds the transposed scores (keys as rows), so its threads would compute
+the same calls for the transposed block and move the numbers to the transposed fragment
+(``movmatrix.trans``); and a thread's calls line up with its fragment only where a warp's 16
+rows start at a multiple of 16, which the SM90 forward's end-aligned band tiles and GQA-packed
+rows do not, so those would be turned off under dropout.
 
 Reproducibility: ``torch.manual_seed`` reproduces a call's mask within one execution mode;
 under ``torch.compile`` with inductor, ``torch.randint`` draws from inductor's own generator
@@ -38,7 +37,7 @@ stream, so a compiled call and an eager one with the same seed draw different ma
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -95,7 +94,7 @@ def keep_threshold(dropout_p: float) -> int:
     return min(65536, max(0, round((1.0 - dropout_p) * 65536)))
 
 
-def new_rng_state(device=None) -> Tensor:
+def new_rng_state(device: Optional[torch.device | str] = None) -> Tensor:
     """A call's (seed, offset), int64 (2,) on ``device`` (default the CPU), drawn from that
     device's default generator: ``torch.manual_seed`` reproduces it. On CUDA the draw is a kernel
     that writes device memory, which the attention kernels read: no host sync, and a captured

@@ -69,7 +69,7 @@ def _forward(
     """(out, softmax_lse, rng_state) of the forward op, on inputs made kernel-ready: a last dim
     with stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back).
     rng_state: the dropout mask's generator state (flash_attn/dropout.py), drawn here from
-    torch's CPU generator when dropout_p > 0, else None."""
+    the generator of q's device when dropout_p > 0, else None."""
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     pad = -a.headdim % 8  # zero-pad the head dims to a multiple of 8, as the kernels need
     if pad:

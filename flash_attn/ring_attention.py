@@ -370,7 +370,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
     acc_lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
-    touched: List[slice] = []
+    touched = torch.zeros(s, dtype=torch.bool)  # rows some partial has reached (host side)
     for step in range(ring.world):
         if step < ring.world - 1:
             reqs, kv_next = ring.exchange(kv, _TAG_KV)
@@ -378,9 +378,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
         for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
                                 blk, softcap)
-            fresh = all(blk.rows.stop <= t.start or t.stop <= blk.rows.start for t in touched)
+            fresh = not bool(touched[blk.rows].any())
             _merge(acc_out, acc_lse, blk.rows, o, lse, fresh)
-            touched.append(blk.rows)
+            touched[blk.rows] = True
         if step < ring.world - 1:
             _wait(reqs)
             kv = kv_next
@@ -404,7 +404,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         if step < ring.world - 1:
             kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
-        grads = []
+        grads: List[Tuple[slice, Tensor, Tensor]] = []
         for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],

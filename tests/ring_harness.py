@@ -43,7 +43,11 @@ def spawn_ranks(worker: Callable, world: int, out_dir: Path) -> List[Dict[str, s
     each rank's results."""
     mp.start_processes(worker, args=(world, str(out_dir / "init"), str(out_dir)), nprocs=world,
                        join=True, start_method="spawn")
-    return [json.load(open(out_dir / f"rank{r}.json")) for r in range(world)]
+    results = []
+    for r in range(world):
+        with open(out_dir / f"rank{r}.json") as f:
+            results.append(json.load(f))
+    return results
 
 
 def assert_case_ok(results: List[Dict[str, str]], name: str) -> None:

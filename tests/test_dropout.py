@@ -1,5 +1,5 @@
 """Dropout on the CPU reference path (``dropout_p > 0``; the CUDA kernels:
-tests/test_dropout_gpu.py): the output against an explicit float64
+tests/test_dropout_gpu.py, and here the manual_seed test on CUDA too): the output against an explicit float64
 attention that replays the mask of flash_attn/dropout.py from the call's generator state, the
 gradients against autograd of that computation, ``return_attn_probs`` showing the dropped
 entries negated, reproducibility under ``torch.manual_seed``, the kept fraction and the mean,

@@ -1,7 +1,8 @@
 """Dropout on CUDA (the SM80 kernels draw the mask of flash_attn/dropout.py, on every GPU):
 out, dq, dk, dv against the float64 reference that replays the mask from the call's generator
 state, under the accuracy rule; varlen per sequence; return_attn_probs negating the dropped
-entries; the kept fraction and the mean; a CUDA graph drawing a fresh mask on each replay.
+entries; the kernel's kept fraction and the mean; dropout with ALiBi, a sink, softcap,
+deterministic and paged K/V; a CUDA graph drawing a fresh mask on each replay.
 torch.manual_seed reproducing a CUDA call is tested in tests/test_dropout.py.
 """
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 if torch.cuda.is_available():
     from flash_attn import flash_attn_func, flash_attn_varlen_func
-    from flash_attn.dropout import dropout_factor, new_rng_state
+    from flash_attn.dropout import dropout_factor, keep_threshold, new_rng_state
 
 F64 = torch.float64
 
@@ -91,21 +92,80 @@ def test_return_attn_probs_negates_the_dropped():
     assert torch.equal(probs < 0, factor == 0)
 
 
-def test_kept_fraction_and_mean():
-    """Over many calls the kept fraction is 1 - p, and the mean output is the output without
-    dropout (kept probabilities are rescaled)."""
+def test_kernel_kept_fraction():
+    """With V the identity (seqlen_k = headdim), out[i, j] is key j's kept, scaled probability,
+    so the nonzero fraction of the kernel's output is its kept fraction: 1 - p within 5
+    standard deviations (quantized as keep_threshold says)."""
+    b, sq, h, d, p = 2, 512, 4, 64, 0.3
+    q, k = (rand(b, n, h, d, dtype=torch.bfloat16, requires_grad=False) for n in (sq, d))
+    v = torch.eye(d, device="cuda", dtype=torch.bfloat16).view(1, d, 1, d).expand(b, d, h, d)
+    out = flash_attn_func(q, k, v.contiguous(), dropout_p=p)
+    keep = keep_threshold(p) / 65536
+    n = out.numel()
+    assert abs((out != 0).double().mean().item() - keep) < 5 * math.sqrt(keep * (1 - keep) / n)
+
+
+def test_mean_is_the_output_without_dropout():
+    """Over many calls the mean output is the output without dropout (kept probabilities are
+    rescaled by 1 / (1 - p))."""
     q, k, v = (rand(1, 128, 2, 64, dtype=torch.float16, requires_grad=False) for _ in range(3))
     p, calls = 0.3, 400
     plain = flash_attn_func(q, k, v).double()
     total = torch.zeros_like(plain)
     for _ in range(calls):
         total += flash_attn_func(q, k, v, dropout_p=p).double()
-    _, _, probs = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True)
-    kept = (probs > 0).double().mean().item()
-    n = probs.numel()
-    assert abs(kept - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
     err = (total / calls - plain).abs().max().item()
     assert err < 6 * v.abs().max().item() * math.sqrt(p / (1 - p) / calls)
+
+
+@pytest.mark.parametrize("extra", ["alibi", "sink", "softcap", "deterministic"])
+def test_dropout_with(extra):
+    """Dropout together with the arguments that share its kernel instantiation or its rows."""
+    b, sq, sk, h, d, p = 2, 150, 170, 4, 64, 0.2
+    q, k, v = (rand(b, n, h, d, dtype=torch.bfloat16) for n in (sq, sk, sk))
+    kw, ref_kw = {}, {}
+    if extra == "alibi":
+        slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
+        kw["alibi_slopes"] = ref_kw["alibi_slopes"] = slopes
+    elif extra == "sink":
+        sink = torch.randn(h, device="cuda")
+        kw["s_aux"], ref_kw["sink"] = sink, sink.to(F64)
+    elif extra == "softcap":
+        kw["softcap"] = ref_kw["softcap"] = 5.0
+    else:
+        kw["deterministic"] = True
+    torch.manual_seed(3)
+    out = flash_attn_func(q, k, v, dropout_p=p, causal=True, **kw)
+    factor = dropout_factor(state_after_seed(3), p, 0, b, h, sq, sk, F64, device="cuda")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    compare_to_ref(out, grads, [q, k, v], plain_qkv, dict(causal=True, drop=factor, **ref_kw),
+                   dout)
+
+
+def test_paged_forward():
+    """Paged K/V (block_table) under dropout, forward: each sequence against the reference that
+    replays its mask."""
+    from test_varlen_gpu import cu_seqlens, to_pages
+
+    lq, lk, h, d, page, p = [70, 130], [200, 64], 2, 64, 64, 0.25
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q = rand(sum(lq), h, d, dtype=torch.bfloat16, requires_grad=False)
+    k = rand(sum(lk), h, d, dtype=torch.bfloat16, requires_grad=False)
+    v = rand(sum(lk), h, d, dtype=torch.bfloat16, requires_grad=False)
+    perm = torch.randperm(len(lk) * 4 + 1).tolist()
+    k_pages, table = to_pages(k, lk, page, perm)
+    v_pages, _ = to_pages(v, lk, page, perm)
+    torch.manual_seed(13)
+    out = flash_attn_varlen_func(q, k_pages, v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(lq), max_seqlen_k=max(lk), dropout_p=p,
+                                 block_table=table)
+    state = state_after_seed(13)
+    for bi in range(len(lq)):
+        q0, q1, k0, k1 = int(cu_q[bi]), int(cu_q[bi + 1]), int(cu_k[bi]), int(cu_k[bi + 1])
+        factor = dropout_factor(state, p, bi, 1, h, q1 - q0, k1 - k0, F64, device="cuda")
+        compare_to_ref(out[None, q0:q1], None, [q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]],
+                       plain_qkv, {"drop": factor}, None, tag=f" sequence {bi}")
 
 
 def test_cuda_graph_replays_draw_fresh_masks():

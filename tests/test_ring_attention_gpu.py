@@ -74,7 +74,7 @@ def _check_case(name: str, world: int, rank: int) -> None:
 
 
 def _check_varlen_case(name: str, world: int, rank: int) -> None:
-    from attn_ref import compare_to_ref
+    from attn_ref import compare_to_ref, plain_qkv
 
     zigzag, causal, window, softcap, h, hk, d, dtype = VARLEN_CASES[name]
     lens = [2 * world * 64 * c for c in VARLEN_CHUNKS]
@@ -101,7 +101,7 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
     # The reference per sequence (batch of one), each sequence's rows checked on their own.
     for a, b in zip(bounds, bounds[1:]):
         compare_to_ref(full_out[a:b][None], [x[a:b][None] for x in grads],
-                       [x[a:b][None] for x in (q, k, v)], lambda *t: t,
+                       [x[a:b][None] for x in (q, k, v)], plain_qkv,
                        {"causal": causal, "window_size": window, "softcap": softcap},
                        dout[a:b][None], tag=f" rows {a}:{b}")
 
@@ -145,7 +145,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
               torch.cuda.synchronize)
 
 
-def _worlds():
+def _worlds() -> list:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [w for w in (2, 4) if w <= n] or [2]
 

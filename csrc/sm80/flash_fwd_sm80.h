@@ -7,8 +7,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "common/params.h"
 #include "common/dropout.h"
+#include "common/params.h"
 #include "common/seq_info.h"
 #include "sm80_traits.h"
 #include "sm80_utils.h"
@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 
         softmax.update(s_rc, o_rc, p.scale_log2);
         if constexpr (kExtras) {
-            // Dropped probabilities leave P V but not the row sums; 1 / (1 - p) scales O at the end.
+            // Dropped probabilities leave P V but not the row sums; 1 / (1 - p) scales O at the
+            // end.
             if (p.rng_state != nullptr) {
                 constexpr int kCols = decltype(size<1>(s_rc))::value;
                 uint32_t kept[(kRows * kCols + 31) / 32];

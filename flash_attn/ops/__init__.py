@@ -24,12 +24,12 @@ for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
 float32 ``(nheads,)``): the CPU kernels implement it in the reference, ``_C.fwd`` takes it
 (its kernels join it to each finished row; :func:`add_sink` does the same for a call with no
-keys, which launches nothing), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse`` already includes the sink). ``_fwd``'s
-autograd formula returns the sink's gradient, computed from ``out``, ``dout`` and
-``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and ``rng_state``
-(int64 ``(2,)``: the mask's seed and offset, flash_attn/dropout.py), which ``_C`` does not take
-either: the CPU kernels apply the mask, the CUDA kernels raise ``NotImplementedError`` for
-``dropout_p > 0``.
+keys, which launches nothing), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse`` already includes
+the sink). ``_fwd``'s autograd formula returns the sink's gradient, computed from ``out``,
+``dout`` and ``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and
+``rng_state`` (int64 ``(2,)`` on q's device: the mask's seed and offset,
+flash_attn/dropout.py), which ``_C.fwd`` and ``_C.bwd`` take too: the CPU kernels and the SM80
+CUDA kernels apply the mask (the binding runs the SM80 kernels under dropout on every GPU).
 ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
