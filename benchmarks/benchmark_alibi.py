@@ -4,11 +4,16 @@ per call, hidden 2048 (the grid of RESULTS.md).
 Columns (TFLOP/s, median of ``triton.testing.do_bench``): the forward on the default path (SM90
 kernels on an H100) without and with ALiBi and their ratio, the forward with ALiBi on the SM80
 kernels (``FLASH_ATTN_FORCE_SM80=1``, what H100 ran before the SM90 forward took ALiBi), and the
-backward without and with ALiBi. Slopes are the usual 2^(-8 i / nheads).
+backward without and with ALiBi. Slopes are the usual 2^(-8 i / nheads), times
+``--slope-scale``: with tiny slopes the bias barely moves a row's running max from one key block
+to the next, with the usual ones it moves it by up to slope x block_n, which makes the online
+softmax rescale the output; the two runs side by side say how much of ALiBi's cost is that.
 
     python benchmarks/benchmark_alibi.py
+    python benchmarks/benchmark_alibi.py --slope-scale 0.001
 """
 
+import argparse
 import os
 
 import torch
@@ -18,8 +23,13 @@ from flash_attn import flash_attn_func
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slope-scale", type=float, default=1.0,
+                    help="multiplies every slope (default 1: the usual slopes)")
+    args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, TFLOP/s")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, TFLOP/s, "
+          f"slopes x {args.slope_scale:g}")
     print("| hdim | seqlen | causal | fwd | fwd + alibi | ratio | fwd sm80 + alibi | bwd | "
           "bwd + alibi |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -30,7 +40,8 @@ def main() -> None:
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                        requires_grad=True) for _ in range(3))
-                slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)],
+                slopes = torch.tensor([args.slope_scale * 2.0 ** (-8 * (i + 1) / h)
+                                       for i in range(h)],
                                       device="cuda")
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 res = []
