@@ -112,6 +112,22 @@ def needs_grad(*tensors) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
+def any_fp8(q, k, v) -> bool:
+    return is_fp8(q) or is_fp8(k) or is_fp8(v)
+
+
+def prepare(fn: str, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink):
+    """The start of an entry point that takes FP8 inputs: (fp8, grad, q, k, v, s_aux,
+    learnable_sink). An FP8 call's tensors come back as float32 (as_float32), `grad` saying
+    whether one of its inputs requires grad (for finish); any other call must pass no
+    descale."""
+    if not any_fp8(q, k, v):
+        check_no_descale(fn, q_descale, k_descale, v_descale)
+        return False, False, q, k, v, s_aux, learnable_sink
+    grad = needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
+    return (True, grad) + as_float32(fn, q, k, v, s_aux, learnable_sink)
+
+
 def finish(res, inputs_require_grad: bool):
     """The FP8 call's result with its output in bf16 (res: out, or (out, lse, probs) with
     return_attn_probs); where an input (q, k, v, a descale, the sink) requires grad, a backward

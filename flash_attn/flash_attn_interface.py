@@ -326,13 +326,8 @@ def flash_attn_func(
     v_descale=None,
 ):
     fn = "flash_attn_func"
-    fp8 = _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v)
-    if fp8:
-        grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
-                               learnable_sink)
-        q, k, v, s_aux, learnable_sink = _fp8.as_float32(fn, q, k, v, s_aux, learnable_sink)
-    else:
-        _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
+    fp8, grad, q, k, v, s_aux, learnable_sink = _fp8.prepare(
+        fn, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -500,15 +495,10 @@ def flash_attn_varlen_func(
     v_descale=None,
 ):
     fn = "flash_attn_varlen_func"
-    fp8 = _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v)
-    if fp8:
-        if block_table is not None:
-            raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
-        grad = _fp8.needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux,
-                               learnable_sink)
-        q, k, v, s_aux, learnable_sink = _fp8.as_float32(fn, q, k, v, s_aux, learnable_sink)
-    else:
-        _fp8.check_no_descale(fn, q_descale, k_descale, v_descale)
+    if block_table is not None and _fp8.any_fp8(q, k, v):
+        raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
+    fp8, grad, q, k, v, s_aux, learnable_sink = _fp8.prepare(
+        fn, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
     a = V.validate_varlen_qkv(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,

@@ -23,9 +23,9 @@ for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
 ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
 handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
 float32 ``(nheads,)``): the CPU kernels implement it in the reference, ``_C.fwd`` takes it
-(its kernels join it to each finished row; :func:`add_sink` does the same for a call with no
-keys, which launches nothing), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse`` already includes
-the sink). ``_fwd``'s autograd formula returns the sink's gradient, computed from ``out``,
+(its kernels join it to each finished row; a call with no keys launches nothing, and its rows
+attend to the sink alone), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse``
+already includes the sink). ``_fwd``'s autograd formula returns the sink's gradient, computed from ``out``,
 ``dout`` and ``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and
 ``rng_state`` (int64 ``(2,)`` on q's device: the mask's seed and offset,
 flash_attn/dropout.py), which ``_C.fwd`` and ``_C.bwd`` take too: the CPU kernels and the SM80
@@ -54,7 +54,7 @@ from torch import Tensor
 from .. import reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
-           "sink_grad", "add_sink"]
+           "sink_grad"]
 
 _EXT = None
 
@@ -135,26 +135,6 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         f"FLASH_ATTN_DTYPES including {dt}"
         + (" and FLASH_ATTN_DISABLE_BACKWARD unset" if kind == "bwd" else "")
         + "; `python -m flash_attn` lists what was built.")
-
-
-def add_sink(out: Tensor, lse: Tensor, sink: Tensor, varlen: bool) -> Tuple[Tensor, Tensor]:
-    """Joins a learnable sink to an attention result computed without it: with S a row's sum of
-    exp(score) (lse = log S), the sink's row sum is S + exp(sink[h]), so
-    ``lse' = logaddexp(lse, sink[h])`` and ``out' = out * exp(lse - lse')``. Exact up to one
-    rounding of out to its dtype. Rows without a kept key (lse = +inf, out = 0) get
-    lse' = sink[h] (+inf where the sink is -inf too) and stay 0.
-    out: (batch, seqlen_q, nheads, d) or (total_q, nheads, d); lse: (batch, nheads, seqlen_q)
-    or (nheads, total_q) (varlen); sink: (nheads,) float32. Returns new tensors."""
-    s = sink.view(-1, 1) if varlen else sink.view(1, -1, 1)
-    kept = torch.where(lse == float("inf"), float("-inf"), lse)
-    joined = torch.logaddexp(kept, s)
-    factor = torch.where(kept == float("-inf"), 0.0, torch.exp(kept - joined))
-    joined = torch.where(joined == float("-inf"), float("inf"), joined)
-    # factor to out's (rows, heads) layout
-    factor = factor.transpose(0, 1) if varlen else factor.transpose(1, 2)
-    wide = torch.promote_types(out.dtype, torch.float32)
-    out = (out.to(wide) * factor.unsqueeze(-1).to(wide)).to(out.dtype)
-    return out, joined.contiguous()
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -259,12 +239,16 @@ def _out_shape(q: Tensor, v: Tensor) -> Tuple[int, ...]:
     return tuple(q.shape[:-1]) + (v.shape[-1],)
 
 
-def _empty_forward(q: Tensor, v: Tensor,
-                   cu_seqlens_q: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    # Nothing to launch: no query rows, or no keys at all (every row then has no kept key).
+def _empty_forward(q: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                   sink: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    # Nothing to launch: no query rows, or no keys at all (every row then has no kept key, and
+    # its softmax is the sink alone: lse = the sink's logit, +inf where it is -inf or absent).
     out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.full(_lse_shape(q, cu_seqlens_q), float("inf"), dtype=torch.float32,
                      device=q.device)
+    if sink is not None:
+        alone = torch.where(sink == float("-inf"), float("inf"), sink.float())
+        lse.copy_(alone.view(-1, 1) if cu_seqlens_q is not None else alone.view(1, -1, 1))
     return out, lse
 
 
@@ -275,10 +259,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               sink=None, dropout_p=0.0, rng_state=None):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
-        out, lse = _empty_forward(q, v, cu_seqlens_q)
-        if sink is not None:  # every row attends to nothing: the sink alone
-            out, lse = add_sink(out, lse, sink, cu_seqlens_q is not None)
-        return out, lse
+        return _empty_forward(q, v, cu_seqlens_q, sink)
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
     # A tuple: the binding returns a list, which the eager autograd.Function (_FlashAttnFunc)
     # would take as one non-tensor output, leaving out without a grad_fn.
