@@ -72,11 +72,52 @@ def _inputs(seqlen: int, nheads: int, hdim: int, device: str) -> List[Tensor]:
                         dtype=torch.bfloat16) for _ in range(3)]
 
 
+def _breakdown(q: Tensor, k: Tensor, v: Tensor, seqlen: int, iters: int) -> Dict:
+    """One non-causal ring step taken apart, on this rank: the K/V exchange alone, the kernel
+    alone, and both at once as a ring step issues them (slowest rank of each)."""
+    import flash_attn.ring_attention as ring_attention
+    from flash_attn import ops
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kv = torch.stack([k, v])
+    buf = torch.empty_like(kv)
+
+    def exchange() -> list:
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, kv, (rank + 1) % world),
+            dist.P2POp(dist.irecv, buf, (rank - 1) % world)])
+
+    def xfer() -> None:
+        for r in exchange():
+            r.wait()
+
+    def kernel() -> None:
+        ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1],
+                           q.shape[-1] ** -0.5, False, -1, -1, 0.0,
+                           sm_margin=ring_attention._SM_MARGIN)
+
+    def both() -> None:
+        reqs = exchange()
+        kernel()
+        for r in reqs:
+            r.wait()
+
+    out = {"seqlen": seqlen, "breakdown": True, "bytes": kv.numel() * kv.element_size()}
+    for name, fn in (("xfer", xfer), ("kernel", kernel), ("both", both)):
+        t = torch.tensor([_time(fn, iters, dist.barrier)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = t.item()
+    return out
+
+
 def _worker(rank: int, world: int, init_file: str, out_file: str,
             args: argparse.Namespace) -> None:
     from flash_attn import ring_flash_attn_func
 
     torch.cuda.set_device(rank)
+    if args.sm_margin is not None:
+        import flash_attn.ring_attention as ring_attention
+        ring_attention._SM_MARGIN = args.sm_margin
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
     rows: List[Dict] = []
@@ -89,6 +130,8 @@ def _worker(rank: int, world: int, init_file: str, out_file: str,
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 rows.append({"seqlen": seqlen, "causal": causal, "what": what,
                              "seconds": t.item()})
+            if args.breakdown and not causal:
+                rows.append(_breakdown(q, k, v, seqlen, args.iters))
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(rows, f)
@@ -104,6 +147,12 @@ def main() -> None:
     p.add_argument("--hdim", type=int, default=128)
     p.add_argument("--causal", choices=["true", "false", "both"], default="true")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sm-margin", type=int, default=None,
+                   help="SMs the forward leaves to NCCL during a transfer (default: the "
+                        "module's _SM_MARGIN), for an A/B")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time one non-causal ring step's K/V exchange and kernel, alone "
+                        "and together")
     args = p.parse_args()
     args.causal = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
 
@@ -133,13 +182,24 @@ def main() -> None:
     print("| total seqlen | causal | pass | ring ms | ring TFLOP/s per GPU | 1 GPU at seqlen/N ms "
           "| 1 GPU TFLOP/s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in (r for r in rows if "breakdown" not in r):
         s, c, what, t = r["seqlen"], r["causal"], r["what"], r["seconds"]
         per_gpu = _flops(s, args.nheads, args.hdim, c, what) / t / args.world / 1e12
         t1 = single[(s, c, what)]
         one = _flops(s // args.world, args.nheads, args.hdim, c, what) / t1 / 1e12
         print(f"| {s} | {c} | {what} | {t * 1e3:.2f} | {per_gpu:.0f} | {t1 * 1e3:.2f} | "
               f"{one:.0f} | {per_gpu / one:.2f} |")
+    parts = [r for r in rows if "breakdown" in r]
+    if parts:
+        print()
+        print("One non-causal ring step (slowest rank): K/V exchange alone, kernel alone, both")
+        print()
+        print("| total seqlen | K/V MB | exchange ms | GB/s | kernel ms | both ms |")
+        print("|---|---|---|---|---|---|")
+        for r in parts:
+            print(f"| {r['seqlen']} | {r['bytes'] / 1e6:.0f} | {r['xfer'] * 1e3:.2f} | "
+                  f"{r['bytes'] / r['xfer'] / 1e9:.0f} | {r['kernel'] * 1e3:.2f} | "
+                  f"{r['both'] * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

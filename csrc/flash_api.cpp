@@ -383,7 +383,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             std::optional<at::Tensor> leftpad_k,
                             std::optional<at::Tensor> alibi_slopes,
                             std::optional<at::Tensor> sink, double dropout_p,
-                            std::optional<at::Tensor> rng_state) {
+                            std::optional<at::Tensor> rng_state, int64_t sm_margin) {
+    FA_CHECK(sm_margin >= 0, "flash_attn: sm_margin must be >= 0, got ", sm_margin);
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
     if (sink.has_value()) {
@@ -448,6 +449,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     if (leftpad_k.has_value()) p.leftpad_k = leftpad_k->data_ptr<int>();
     set_alibi(p, alibi_slopes, pb, q);
     set_dropout(p, dropout_p, rng_state, q);
+    p.sm_margin = int(std::min<int64_t>(sm_margin, 1 << 20));
     if (sink.has_value()) p.sink = sink->data_ptr<float>();
     if (block_table.has_value()) {
         p.block_table = block_table->data_ptr<int>();
@@ -748,7 +750,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("softcap"), py::arg("kv_batch_idx") = py::none(),
           py::arg("block_table") = py::none(), py::arg("leftpad_k") = py::none(),
           py::arg("alibi_slopes") = py::none(), py::arg("sink") = py::none(),
-          py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
+          py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+          py::arg("sm_margin") = 0);
     m.def("bwd", &bwd, "attention backward", py::arg("dout"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),

@@ -249,6 +249,13 @@ int resident_clusters() {
     return clusters;
 }
 
+// resident_clusters less the clusters that would cover p.sm_margin SMs, at least one.
+template <class Traits>
+int usable_clusters(FwdParams const& p) {
+    constexpr int kCluster = Traits::kClusterM;
+    return std::max(1, resident_clusters<Traits>() - (p.sm_margin + kCluster - 1) / kCluster);
+}
+
 // Whether tiles may be split by keys: the static schedule's last round (SplitPlan) and the
 // packed kernel's few tiles (kv_pieces); FLASH_ATTN_SPLIT=0 turns both off (tests run both).
 inline bool split_enabled() {
@@ -277,7 +284,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const int heads = p.nheads / p.pack_gqa;
     TileSchedulerParams sched = make_scheduler_params(
         query_tiles<Traits>(p), heads, p.batch, heads_per_section<Traits>(p, heads), nullptr);
-    const int clusters = resident_clusters<Traits>();
+    const int clusters = usable_clusters<Traits>(p);
     const int blocks = key_blocks<Traits>(p);
     // Workspace slots of split tiles (each with max_pieces partial outputs) and counters: the
     // dynamic scheduler's, then one per slot and consumer group.
@@ -376,7 +383,7 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const bool plain = !band && batched && whole_clusters<Plain>(p);
     const bool few_tiles =
         !plain && split_enabled() &&
-        kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, resident_clusters<Packed>(),
+        kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
                   key_blocks<Band>(p)) > 1;
     const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
     if (pack > 0) {

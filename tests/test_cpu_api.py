@@ -548,12 +548,12 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-                sink=None, dropout_p=0.0, rng_state=None):
+                sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
             calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
                                 leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink,
-                                dropout_p=dropout_p, rng_state=rng_state)
+                                dropout_p=dropout_p, rng_state=rng_state, sm_margin=sm_margin)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
@@ -588,7 +588,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
                                 leftpad_k=None, alibi_slopes=None, sink=None, dropout_p=0.0,
-                                rng_state=None)
+                                rng_state=None, sm_margin=0)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,

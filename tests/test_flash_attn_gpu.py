@@ -335,6 +335,43 @@ def test_split_kv_dynamic(dtype: str, d: int, b: int, h: int, hk: int, sq: int, 
         assert torch.equal(flash_attn_func(q, k, v, **kw), out)
 
 
+# (d, batch, heads, seqlen_q, seqlen_k, causal): the plain kernel's static schedule with its
+# split last round, the band kernel's dynamic one, and a few tiles split by keys.
+SM_MARGIN_SHAPES = [(128, 2, 8, 1000, 1000, False), (64, 2, 4, 700, 900, True),
+                    (128, 1, 2, 3, 5000, False)]
+
+
+@pytest.mark.parametrize("margin", [8, 16, 1000])
+@pytest.mark.parametrize("d,b,h,sq,sk,causal", SM_MARGIN_SHAPES,
+                         ids=[f"d{s[0]}-b{s[1]}h{s[2]}-{s[3]}x{s[4]}{'-causal' if s[5] else ''}"
+                              for s in SM_MARGIN_SHAPES])
+def test_sm_margin(d: int, b: int, h: int, sq: int, sk: int, causal: bool, margin: int):
+    """The forward with SMs left free (ring attention's ``sm_margin``; 1000 leaves one
+    cluster): the persistent grid shrinks, the schedules and splits are planned for fewer
+    CTAs, and the output and LSE stay within the accuracy rule."""
+    from flash_attn import ops
+
+    torch.manual_seed(41)
+    q = rand(b, sq, h, d, dtype=torch.bfloat16, requires_grad=False)
+    k = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
+    v = rand(b, sk, h, d, dtype=torch.bfloat16, requires_grad=False)
+    out, lse = ops.flash_attn_fwd(q, k, v, None, None, None, sq, sk, d ** -0.5, causal,
+                                  -1, 0 if causal else -1, 0.0, sm_margin=margin)
+    out_ref, lse_ref = attention_ref(q, k, v, compute_dtype=REF_DTYPE, causal=causal)
+    out_pt, _ = attention_ref(q, k, v, compute_dtype=q.dtype, causal=causal)
+    assert_accuracy("out", out, out_ref, out_pt, 2)
+    assert_lse("softmax_lse", lse, lse_ref)
+
+
+def test_sm_margin_negative():
+    from flash_attn import ops
+
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="sm_margin"):
+        ops.flash_attn_fwd(q, q, q, None, None, None, 8, 8, 0.125, False, -1, -1, 0.0,
+                           sm_margin=-1)
+
+
 @pytest.mark.parametrize("split", ["0", "1"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_split_kv_seqused_k(d: int, split: str, monkeypatch):

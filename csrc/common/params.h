@@ -108,6 +108,9 @@ struct FwdParams : AttnShape {
     // packing; packed row r is query row r / pack_gqa of head kv_head * pack_gqa +
     // r % pack_gqa). 1: tiles hold one query head.
     int pack_gqa = 1;
+    // SM90: SMs the persistent kernels leave free for work running beside them (ring
+    // attention's NCCL transfers). 0: the grid fills the GPU.
+    int sm_margin = 0;
 };
 
 struct BwdParams : AttnShape {

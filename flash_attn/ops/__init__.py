@@ -30,6 +30,9 @@ already includes the sink). ``_fwd``'s autograd formula returns the sink's gradi
 ``rng_state`` (int64 ``(2,)`` on q's device: the mask's seed and offset,
 flash_attn/dropout.py), which ``_C.fwd`` and ``_C.bwd`` take too: the CPU kernels and the SM80
 CUDA kernels apply the mask (the binding runs the SM80 kernels under dropout on every GPU).
+``_fwd`` ends with ``sm_margin``: SMs the SM90 forward's persistent grid leaves free for work
+running beside it, such as ring attention's NCCL transfers (a scheduling hint: the CPU and the
+SM80 kernels, whose grids do not hold the GPU, have nothing to leave).
 ``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -193,6 +196,7 @@ def _fwd_op(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    sm_margin: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -203,7 +207,7 @@ def _fwd_op(
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None,
-             dropout_p=0.0, rng_state=None):
+             dropout_p=0.0, rng_state=None, sm_margin=0):
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
@@ -256,7 +260,7 @@ def _empty_forward(q: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None, dropout_p=0.0, rng_state=None):
+              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, v, cu_seqlens_q, sink)
@@ -266,7 +270,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
     out, lse = load_extension().fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
-        block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
+        block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
     )
     return out, lse
 
@@ -275,7 +279,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None, dropout_p=0.0, rng_state=None):
+              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
     out = q.new_empty(_out_shape(q, v))  # contiguous, like the real implementations
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
@@ -404,7 +408,8 @@ def flash_attn_bwd(
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
-     kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state) = inputs
+     kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
+     _sm_margin) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
                           alibi_slopes, sink, rng_state)
@@ -462,7 +467,7 @@ def _backward(ctx, dout, dlse):
             dv = torch.zeros_like(v).index_add_(0, idx, dv)
     if sink is not None and needs[18]:
         dsink = sink_grad(dout, out, lse, sink, cu_seqlens_q is not None)
-    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None)
+    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None, None)
 
 
 def sink_grad(dout: Tensor, out: Tensor, softmax_lse: Tensor, sink: Tensor,
@@ -529,6 +534,7 @@ def flash_attn_fwd(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    sm_margin: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k, v and the sink
     (softmax_lse is not differentiable).
@@ -541,7 +547,8 @@ def flash_attn_fwd(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state)
+            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
+            sm_margin)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
