@@ -203,15 +203,14 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
 
 
 def _check_headdim_v(fn: str, nv: str, headdim: int, headdim_v: int, device_type: str) -> None:
-    """v's head dim where it may differ from q's and k's: any on CPU (the reference), equal on
-    CUDA until the kernels take other pairs."""
+    """v's head dim where it may differ from q's and k's (MLA): any on CPU (the reference); on
+    CUDA up to the kernels' largest head dim (the interface pads q/k and v to one width)."""
     if headdim_v <= 0:
         raise ValueError(f"{fn}: headdim_v (last dim of {nv}) must be > 0, got {headdim_v}")
-    if headdim_v != headdim and device_type != "cpu":
-        raise NotImplementedError(
-            f"{fn}: a v head dim ({headdim_v}) other than q's and k's ({headdim}) is not "
-            f"implemented by the CUDA kernels yet; the CPU reference implements it: pass CPU "
-            f"tensors, or equal head dims"
+    if device_type == "cuda" and headdim_v > MAX_HEADDIM_CUDA:
+        raise ValueError(
+            f"{fn}: headdim_v (last dim of {nv}) must be <= {MAX_HEADDIM_CUDA} on CUDA, got "
+            f"{headdim_v}"
         )
 
 

@@ -69,13 +69,22 @@ def _forward(
     """(out, softmax_lse, rng_state) of the forward op, on inputs made kernel-ready: a last dim
     with stride 1, a head dim zero-padded to a multiple of 8 (the output sliced back).
     rng_state: the dropout mask's generator state (flash_attn/dropout.py), drawn here from
-    the generator of q's device when dropout_p > 0, else None."""
+    the generator of q's device when dropout_p > 0, else None.
+
+    A v head dim other than q's and k's (MLA) runs on the CUDA kernels, which take one head dim,
+    with the narrower side zero-padded to the wider: zero columns of q and k add nothing to the
+    scores, zero columns of v give output columns that are sliced off, and the gradients flow
+    back through the padding. It costs the padded GEMM work and a copy of the padded tensors;
+    kernels with two head dims would not."""
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
-    pad = -a.headdim % 8  # zero-pad the head dims to a multiple of 8, as the kernels need
-    if pad:
-        q, k = F.pad(q, [0, pad]), F.pad(k, [0, pad])
     hd = v.shape[-1]  # the output's head dim (v's: it may differ from q's and k's)
-    pad_v = -hd % 8
+    width_qk = a.headdim + -a.headdim % 8  # a multiple of 8, as the kernels need
+    width_v = hd + -hd % 8
+    if q.device.type != "cpu" and width_qk != width_v:
+        width_qk = width_v = max(width_qk, width_v)
+    if width_qk != a.headdim:
+        q, k = F.pad(q, [0, width_qk - a.headdim]), F.pad(k, [0, width_qk - a.headdim])
+    pad_v = width_v - hd
     if pad_v:
         v = F.pad(v, [0, pad_v])
     rng_state = new_rng_state(q.device) if a.dropout_p > 0.0 else None
@@ -353,8 +362,8 @@ flash_attn_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim)
         k: (batch_size, seqlen_k, nheads_k, headdim)
         v: (batch_size, seqlen_k, nheads_k, headdim_v). headdim_v may differ from headdim
-            (MLA, e.g. 192 / 128) on CPU tensors; on CUDA it must equal headdim for now
-            (NotImplementedError)."""
+            (MLA, e.g. 192 / 128); on CUDA the narrower side is zero-padded to the wider head
+            dim, whose kernels run."""
     + _COMMON_ARGS_DOC_SINK
     + _FP8_ARGS_DOC
     + _BATCHED_RETURN
@@ -533,8 +542,7 @@ flash_attn_varlen_func.__doc__ = (
             block_table (i.e. paged KV cache).
         v: (total_k, nheads_k, headdim_v), where total_k = total number of key tokens in the
             batch; or (num_blocks, page_block_size, nheads_k, headdim_v) if there's a
-            block_table. headdim_v may differ from headdim on CPU tensors (as in
-            flash_attn_func).
+            block_table. headdim_v may differ from headdim (as in flash_attn_func).
         cu_seqlens_q: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
             of the sequences in the batch, used to index into q.
         cu_seqlens_k: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths

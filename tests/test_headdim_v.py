@@ -1,8 +1,8 @@
 """A v head dim other than q's and k's (MLA-style 192/128, 128/64, 256/128, and an odd one) on
 the CPU reference path: out (headdim_v wide) and its gradients against an explicit float64
 attention and gradcheck, batched and varlen, GQA and causal, the shapes of everything
-returned, and the NotImplementedError a CUDA call gets (issue 30 item 4; the kernels do not
-take it yet).
+returned, and the head-dim limits a CUDA call gets (issue 30 item 4; the CUDA path is
+tests/test_headdim_v_gpu.py).
 """
 
 import os
@@ -71,7 +71,8 @@ def test_shape_errors_and_cuda():
     k = torch.randn(1, 4, 2, 16)
     with pytest.raises(ValueError, match="same shape but for the last dim"):
         flash_attn_func(q, k, torch.randn(1, 5, 2, 8))
-    with pytest.raises(NotImplementedError, match=r"v head dim \(8\).*CUDA kernels"):
-        V._check_headdim_v("flash_attn_func", "v", 16, 8, "cuda")
+    with pytest.raises(ValueError, match=r"headdim_v .*<= 256 on CUDA, got 264"):
+        V._check_headdim_v("flash_attn_func", "v", 16, 264, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 16, 8, "cuda")
     V._check_headdim_v("flash_attn_func", "v", 16, 16, "cuda")
     V._check_headdim_v("flash_attn_func", "v", 16, 8, "cpu")
