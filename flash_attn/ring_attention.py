@@ -256,12 +256,12 @@ def _coalesce(blocks: List[_Block]) -> List[_Block]:
 
 
 # SMs the SM90 forward leaves to NCCL's transfer kernel while one is in flight. Measured on
-# 4 x H100 (128k tokens, d128, bf16): with none, a ring step's kernel and K/V exchange together
-# took 17.2 ms against 12.2 ms for the kernel and 1.0 ms for the exchange alone, as the
-# persistent grid and NCCL's kernel waited on each other's SMs; with 8 or 16 SMs left, 13.6 to
-# 13.9 ms. Per-GPU forward throughput rose from 0.68-0.75 to 0.73-0.84 of one GPU's (16 and 8
-# best for causal and non-causal respectively; 32 lost again).
-_SM_MARGIN = 16
+# 4 x H100 (128k tokens, d128, bf16, two runs): with none, a ring step's kernel and K/V exchange
+# together took 17.2-17.4 ms against 12.2-12.3 ms for the kernel and 1.0 ms for the exchange
+# alone, as the persistent grid and NCCL's kernel waited for each other's SMs; with 8 SMs
+# left, 13.5-13.6 ms (the kernel alone 13.2-13.5). Forward per-GPU throughput against one GPU
+# rose from 0.67-0.75 to 0.73-0.86; 16 SMs measured the same or lower, 32 lower.
+_SM_MARGIN = 8
 
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
