@@ -366,7 +366,9 @@ def test_sm_margin(d: int, b: int, h: int, sq: int, sk: int, causal: bool, margi
 def test_sm_margin_negative():
     from flash_attn import ops
 
-    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    # d=128: a kernel every build has, so the binding is reached (a missing kernel would raise
+    # first); the binding checks sm_margin before any kernel is chosen.
+    q = torch.randn(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="sm_margin"):
         ops.flash_attn_fwd(q, q, q, None, None, None, 8, 8, 0.125, False, -1, -1, 0.0,
                            sm_margin=-1)
