@@ -174,6 +174,15 @@ _SINK_ARGS_DOC = """
             FlashAttention-4; s_aux is vLLM's FlashAttention-3's); passing both raises
             ValueError."""
 
+# FlashAttention-2's contract for max_seqlen, and what breaking it does here.
+_MAX_SEQLEN_DOC = """
+            As in FlashAttention-2, max_seqlen_q and max_seqlen_k are trusted, not checked: on
+            CUDA a sequence longer than them is cut to its first max_seqlen_q queries and
+            max_seqlen_k keys (a causal diagonal then aligned to the cut lengths; query rows
+            past the cut get output 0 and lse +inf), with no error. FLASH_ATTN_CHECK_INPUTS=1
+            checks them, at one device sync per call. The CPU reference reads the lengths from
+            cu_seqlens alone."""
+
 _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability, applied to the attention probabilities (kept
             ones scaled by 1 / (1 - dropout_p)); 0.0 during evaluation. The mask of
@@ -414,7 +423,9 @@ flash_attn_varlen_qkvpacked_func.__doc__ = (
         qkv: (total, 3, nheads, headdim), where total = total number of tokens in the batch.
         cu_seqlens: (batch_size + 1,), dtype torch.int32. The cumulative sequence lengths
             of the sequences in the batch, used to index into qkv.
-        max_seqlen: int. Maximum sequence length in the batch."""
+        max_seqlen: int. Maximum sequence length in the batch (max_seqlen_q and max_seqlen_k
+            below)."""
+    + _MAX_SEQLEN_DOC
     + _COMMON_ARGS_DOC_SINK
     + _VARLEN_RETURN
 )
@@ -475,6 +486,7 @@ flash_attn_varlen_kvpacked_func.__doc__ = (
             of the sequences in the batch, used to index into kv.
         max_seqlen_q: int. Maximum query sequence length in the batch.
         max_seqlen_k: int. Maximum key sequence length in the batch."""
+    + _MAX_SEQLEN_DOC
     + _COMMON_ARGS_DOC_SINK
     + _VARLEN_RETURN
 )
@@ -550,6 +562,7 @@ flash_attn_varlen_func.__doc__ = (
             key lengths, each at most max_num_blocks_per_seq * page_block_size).
         max_seqlen_q: int. Maximum query sequence length in the batch.
         max_seqlen_k: int. Maximum key sequence length in the batch."""
+    + _MAX_SEQLEN_DOC
     + _COMMON_ARGS_DOC
     + """
         block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Key
