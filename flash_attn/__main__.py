@@ -92,7 +92,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("learnable sink (s_aux)", sm90(fwd90, ""), "SM80"),
         ("dropout_p > 0", "SM80", "SM80"),
         ("FP8 e4m3 inputs (CPU: the reference)", unsupported, unsupported),
-        ("v head dim != q's (padded to one head dim)", sm90(fwd90, ""), "SM80"),
+        ("v head dim != q's (the wider one's kernels, padded)", sm90(fwd90, ""), "SM80"),
     ]
 
 

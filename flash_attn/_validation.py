@@ -6,8 +6,8 @@ given and what is expected:
 
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
-* ``NotImplementedError``: a valid combination this package does not implement (FP8 or a
-  v head dim other than q's on CUDA, a left-padded paged KV cache, a forced split count).
+* ``NotImplementedError``: a valid combination this package does not implement (FP8 on CUDA, a
+  left-padded paged KV cache, a forced split count).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -202,7 +202,7 @@ def _check_rank(fn: str, name: str, x: Tensor, rank: int, layout: str) -> None:
         )
 
 
-def _check_headdim_v(fn: str, nv: str, headdim: int, headdim_v: int, device_type: str) -> None:
+def _check_headdim_v(fn: str, nv: str, headdim_v: int, device_type: str) -> None:
     """v's head dim where it may differ from q's and k's (MLA): any on CPU (the reference); on
     CUDA up to the kernels' largest head dim (the interface pads q/k and v to one width)."""
     if headdim_v <= 0:
@@ -283,7 +283,7 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
             f"{fn}: headdim (last dim of {nq}) must be <= {MAX_HEADDIM_CUDA} on CUDA, got "
             f"{headdim}"
         )
-    _check_headdim_v(fn, nv, headdim, v.shape[-1], device_type)
+    _check_headdim_v(fn, nv, v.shape[-1], device_type)
     nheads, nheads_k = q_shape[-2], k_shape[-2]
     if nheads_k <= 0 or nheads <= 0:
         raise ValueError(

@@ -14,7 +14,9 @@ Notes common to all functions:
   packed tensor, without a copy).
 * Head dims that are not a multiple of 8 are zero-padded to the next multiple of 8 before the op
   (a copy) and the output is sliced back; ``softmax_scale`` defaults to ``1 / sqrt(headdim)``
-  of the original head dim. Gradients flow back through the padding and the slicing.
+  of the original head dim. Gradients flow back through the padding and the slicing. On CUDA a
+  v head dim other than q's (MLA) is padded the same way to the wider of the two, since the
+  kernels take one head dim (with a paged cache, the padded copy is of the whole cache).
 * ``dropout_p > 0`` draws the mask of ``flash_attn/dropout.py`` from the generator of q's device
   (on CUDA in the SM80 kernels, forward and backward, on every GPU).
 * A learnable sink (``s_aux`` or ``learnable_sink``, two names for one argument, after

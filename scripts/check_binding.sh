@@ -10,49 +10,62 @@
 #   bash scripts/check_binding.sh                  # torch 2.14.1's headers
 #   TORCH_VERSION=2.11.0 bash scripts/check_binding.sh
 #
-# Needs pip (the wheels come from pip's configured indexes: about 1.3 GB for 2.14.1), g++ with
-# C++20, CUDA's headers (/usr/local/cuda/include or CUDA_HOME) and CUTLASS's (as setup.py finds
-# them: CUTLASS_INCLUDE_DIR, third_party/cutlass/include or the nvidia-cutlass package).
+# The default, 2.14.1, is the newest CUDA torch this machine kind keeps on disk (the CPU tests
+# use 2.13.0, whose wheel has no CUDA build's generated headers). Needs pip (the wheels come
+# from pip's configured indexes: about 1.3 GB for 2.14.1), unzip, g++ with C++20, CUDA's
+# headers (/usr/local/cuda/include or CUDA_HOME) and CUTLASS's (as setup.py finds them:
+# CUTLASS_INCLUDE_DIR, third_party/cutlass/include or the nvidia-cutlass package).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
 DIR="build/binding_check/torch-$TORCH_VERSION"
 CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
-mkdir -p "$DIR/wheels" "$DIR/root"
+DONE="$DIR/root/.complete"  # written once every header is unpacked
 
-if [ ! -f "$DIR/root/torch/include/torch/extension.h" ]; then
+if [ ! -f "$DONE" ]; then
+  rm -rf "$DIR"
+  mkdir -p "$DIR/wheels" "$DIR/root"
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR/wheels" "torch==$TORCH_VERSION"
+  whl="$(ls "$DIR"/wheels/torch-*.whl)"
+  case "$(basename "$whl")" in
+    *+cpu*) echo "check_binding: pip gave a CPU build of torch ($whl); a CUDA build is needed" >&2
+            exit 1 ;;
+  esac
   # The cuBLAS, cuSPARSE and cuSOLVER wheels this torch wheel pins, for their headers: through
   # the cuda-toolkit meta-package (torch >= 2.14), or as nvidia-* packages (earlier releases).
-  mapfile -t pins < <("$PY" - "$DIR/wheels" <<'PYEOF'
-import glob, re, sys, zipfile
-whl = glob.glob(f"{sys.argv[1]}/torch-*.whl")[0]
-with zipfile.ZipFile(whl) as z:
+  pins_txt="$("$PY" - "$whl" <<'PYEOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
     meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     for line in z.read(meta).decode().splitlines():
         m = re.match(r"Requires-Dist: cuda-toolkit\[[^]]*\]\s*==\s*([\w.]+)", line)
         if m:
             print(f"cuda-toolkit[cublas,cusolver,cusparse]=={m.group(1)}")
-        m = re.match(r"Requires-Dist: (nvidia-(cublas|cusparse|cusolver)[\w-]*)\s*==\s*([\w.]+)",
+        m = re.match(r"Requires-Dist: (nvidia-(cublas|cusparse|cusolver)-cu\d+)\s*==\s*([\w.]+)",
                      line)
         if m:
             print(f"{m.group(1)}=={m.group(3)}")
 PYEOF
-  )
-  for pin in "${pins[@]}"; do
+  )"
+  if [ -z "$pins_txt" ]; then
+    echo "check_binding: $whl pins no cuBLAS/cuSPARSE/cuSOLVER wheels; is it a CUDA build?" >&2
+    exit 1
+  fi
+  while IFS= read -r pin; do
     case "$pin" in
       cuda-toolkit*) "$PY" -m pip download -q --only-binary=:all: -d "$DIR/wheels" "$pin" ;;
       *) "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR/wheels" "$pin" ;;
     esac
-  done
-  for w in "$DIR"/wheels/*.whl; do
-    case "$(basename "$w")" in
-      torch-*) unzip -q -o "$w" 'torch/include/*' -d "$DIR/root" ;;
-      *) unzip -q -o "$w" '*/include/*' -d "$DIR/root" 2>/dev/null || true ;;
-    esac
+  done <<< "$pins_txt"
+  unzip -q -o "$whl" 'torch/include/*' -d "$DIR/root"
+  for w in "$DIR"/wheels/nvidia_*.whl; do
+    if unzip -Z1 "$w" | grep '/include/' > /dev/null; then
+      unzip -q -o "$w" '*/include/*' -d "$DIR/root"
+    fi
   done
   rm -rf "$DIR/wheels"
+  touch "$DONE"
 fi
 
 TORCH_INC="$DIR/root/torch/include"

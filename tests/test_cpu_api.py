@@ -637,6 +637,21 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     assert e_out.shape == (0, 4, 8) and e_lse.shape == (4, 0) and not calls
 
 
+def test_sm_margin_must_not_be_negative():
+    """sm_margin (SMs the SM90 forward leaves free) is checked before any kernel or device
+    path is chosen; 0 and positive values are scheduling hints the CPU path ignores."""
+    from flash_attn import ops
+
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="sm_margin must be >= 0, got -1"):
+        ops.flash_attn_fwd(q, q, q, None, None, None, 8, 8, 0.25, False, -1, -1, 0.0,
+                           sm_margin=-1)
+    out, _ = ops.flash_attn_fwd(q, q, q, None, None, None, 8, 8, 0.25, False, -1, -1, 0.0,
+                                sm_margin=8)
+    ref, _ = ops.flash_attn_fwd(q, q, q, None, None, None, 8, 8, 0.25, False, -1, -1, 0.0)
+    assert torch.equal(out, ref)
+
+
 def test_require_kernel_names_the_build_flags(monkeypatch):
     """A call whose (dtype, head-dim tier) this build did not compile raises NotImplementedError
     naming the flags, before entering the extension; SM90-only kernels count on compute
@@ -684,5 +699,5 @@ def test_main_lists_features_by_code_path():
     assert "NotImplementedError" not in lines["dropout_p > 0"]
     assert "SM90" not in lines["dropout_p > 0"]
     assert lines["FP8 e4m3 inputs (CPU: the reference)"].count("NotImplementedError") == 2
-    assert "NotImplementedError" not in lines["v head dim != q's (padded to one head dim)"]
+    assert "NotImplementedError" not in lines["v head dim != q's (the wider one's kernels, padded)"]
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["learnable sink (s_aux)"]

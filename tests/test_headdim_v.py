@@ -72,7 +72,7 @@ def test_shape_errors_and_cuda():
     with pytest.raises(ValueError, match="same shape but for the last dim"):
         flash_attn_func(q, k, torch.randn(1, 5, 2, 8))
     with pytest.raises(ValueError, match=r"headdim_v .*<= 256 on CUDA, got 264"):
-        V._check_headdim_v("flash_attn_func", "v", 16, 264, "cuda")
-    V._check_headdim_v("flash_attn_func", "v", 16, 8, "cuda")
-    V._check_headdim_v("flash_attn_func", "v", 16, 16, "cuda")
-    V._check_headdim_v("flash_attn_func", "v", 16, 8, "cpu")
+        V._check_headdim_v("flash_attn_func", "v", 264, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 8, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 16, "cuda")
+    V._check_headdim_v("flash_attn_func", "v", 8, "cpu")

@@ -545,6 +545,8 @@ def flash_attn_fwd(
     or the sink requires grad (the gradient reaches only those), else without autograd. Both
     ways run the same kernels and the same backward formula.
     """
+    if sm_margin < 0:
+        raise ValueError(f"flash_attn: sm_margin must be >= 0, got {sm_margin}")
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
             kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
