@@ -12,9 +12,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
+#include "common/bad_input.h"
 #include "common/kvcache_update.h"
 #include "common/params.h"
 #include "common/registry.h"
@@ -270,6 +272,43 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     return pb;
 }
 
+// The word the current device's kernels record an out-of-range input in (common/bad_input.h):
+// 8 bytes of mapped, pinned host memory per device, allocated at the device's first call and
+// kept for the process. `host` is what the Python layer reads, `device` what kernels write.
+struct BadInputWord {
+    unsigned long long* host = nullptr;
+    unsigned long long* device = nullptr;
+};
+
+BadInputWord bad_input_word(int device) {
+    static std::mutex mutex;
+    static std::vector<BadInputWord> words;
+    FA_CHECK(device >= 0, "flash_attn: no CUDA device index ", device);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (words.size() <= size_t(device)) words.resize(size_t(device) + 1);
+    BadInputWord& w = words[size_t(device)];
+    if (w.host == nullptr) {
+        void* host = nullptr;
+        void* dev = nullptr;
+        cudaError_t err = cudaHostAlloc(&host, sizeof(unsigned long long),
+                                        cudaHostAllocMapped | cudaHostAllocPortable);
+        if (err == cudaSuccess) {
+            *static_cast<unsigned long long*>(host) = 0;
+            err = cudaHostGetDevicePointer(&dev, host, 0);
+        }
+        FA_CHECK(err == cudaSuccess, "flash_attn: could not map the bad-input word: ",
+                 cudaGetErrorString(err));
+        w = {static_cast<unsigned long long*>(host), static_cast<unsigned long long*>(dev)};
+    }
+    return w;
+}
+
+unsigned long long* current_bad_input_word() {
+    int device = -1;
+    cudaGetDevice(&device);
+    return bad_input_word(device).device;
+}
+
 void fill_shape(flash::AttnShape& s, const Problem& pb,
                 const std::optional<at::Tensor>& cu_seqlens_q,
                 const std::optional<at::Tensor>& cu_seqlens_k, double softmax_scale, bool causal,
@@ -280,6 +319,7 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
              softcap);
     FA_CHECK(window_left >= -1 && window_right >= -1,
              "flash_attn: window_size entries must be >= -1");
+    s.bad_input = current_bad_input_word();
     s.batch = pb.batch;
     s.batch_k = pb.batch_k;
     s.nheads = pb.nheads;
@@ -711,9 +751,15 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     p.nheads_k = int(k_cache.size(2));
     p.headdim = int(q.size(3));
     p.seqused_k = seqused_k.data_ptr<int>();
+    p.bad_input = current_bad_input_word();
     flash::run_kvcache_update(p, dtype, at::cuda::getCurrentCUDAStream());
     check_launch();
     return seqused_k;
+}
+
+// The host address of device `device`'s bad-input word, for flash_attn/_bad_input.py.
+uint64_t bad_input_word_address(int64_t device) {
+    return reinterpret_cast<uint64_t>(bad_input_word(int(device)).host);
 }
 
 pybind11::dict build_info() {
@@ -766,4 +812,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("rotary_interleaved"), py::arg("q_rows_advance"),
           py::arg("block_table") = py::none(), py::arg("cache_leftpad") = py::none());
     m.def("build_info", &build_info, "what this build compiled");
+    m.def("bad_input_word_address", &bad_input_word_address,
+          "host address of a device's bad-input word (common/bad_input.h)", py::arg("device"));
 }

@@ -12,6 +12,7 @@ from . import _missing_modules  # noqa: E402
 
 _missing_modules.install()
 
+from ._bad_input import check_bad_inputs  # noqa: E402
 from .build_info import build_info  # noqa: E402  (replaces the submodule attribute)
 from .flash_attn_interface import (  # noqa: E402
     flash_attn_func,
@@ -34,6 +35,7 @@ from .ring_attention import (  # noqa: E402
 __all__ = [
     "__version__",
     "build_info",
+    "check_bad_inputs",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",

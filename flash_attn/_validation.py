@@ -11,7 +11,9 @@ given and what is expected:
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
-CUDA, so there they only run when the environment variable ``FLASH_ATTN_CHECK_INPUTS=1`` is set.
+CUDA, so there they only run when the environment variable ``FLASH_ATTN_CHECK_INPUTS=1`` is set;
+without it the kernels record out-of-range values, which the next call raises
+(``flash_attn/_bad_input.py``).
 On CPU they always run (no sync cost). They are skipped while ``torch.compile`` traces (they are
 data dependent).
 """
@@ -25,6 +27,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from ._bad_input import raise_pending
 
 MAX_HEADDIM_CUDA = 256
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -229,6 +233,7 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
     device, k_device, v_device = q.device, k.device, v.device
     device_type = device.type
     _check_device_type(fn, nq, device, device_type)
+    raise_pending(device)  # a bad device-valued input that an earlier call's kernels recorded
     # On q's device k and v pass the device type check; only the others need their own type.
     k_elsewhere, v_elsewhere = k_device != device, v_device != device
     if k_elsewhere:

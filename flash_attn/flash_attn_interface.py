@@ -178,12 +178,13 @@ _SINK_ARGS_DOC = """
 
 # FlashAttention-2's contract for max_seqlen, and what breaking it does here.
 _MAX_SEQLEN_DOC = """
-            As in FlashAttention-2, max_seqlen_q and max_seqlen_k are trusted, not checked: on
-            CUDA a sequence longer than them is cut to its first max_seqlen_q queries and
-            max_seqlen_k keys (a causal diagonal then aligned to the cut lengths; query rows
-            past the cut get output 0 and lse +inf), with no error. FLASH_ATTN_CHECK_INPUTS=1
-            checks them, at one device sync per call. The CPU reference reads the lengths from
-            cu_seqlens alone."""
+            As in FlashAttention-2, max_seqlen_q and max_seqlen_k are trusted: on CUDA a
+            sequence longer than them is cut to its first max_seqlen_q queries and max_seqlen_k
+            keys (a causal diagonal then aligned to the cut lengths; query rows past the cut
+            get output 0 and lse +inf). The kernels record it, and the next call into
+            flash_attn (or flash_attn.check_bad_inputs()) raises a ValueError for it;
+            FLASH_ATTN_CHECK_INPUTS=1 checks before the launch, at one device sync per call.
+            The CPU reference reads the lengths from cu_seqlens alone."""
 
 _COMMON_ARGS_DOC = """
         dropout_p: float. Dropout probability, applied to the attention probabilities (kept

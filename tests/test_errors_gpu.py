@@ -6,10 +6,13 @@ for a bad value or shape, ``NotImplementedError`` for a valid request this packa
 implement; the message names the argument. After every bad call a good ``flash_attn_func`` call
 runs and ``torch.cuda.synchronize()`` succeeds.
 
-Values inside ``cu_seqlens`` are only checked with ``FLASH_ATTN_CHECK_INPUTS=1`` (checking them
-costs a device sync). Without it, wrong values must still not crash CUDA; those cases run in a
-subprocess so that a crash shows up as one failed test instead of taking the rest of the suite
-down with a poisoned CUDA context.
+Values of device-valued inputs (cu_seqlens, max_seqlen against them, seqused_k / cache_seqlens,
+cache_batch_idx, cache_leftpad, block_table) are checked before the call only with
+``FLASH_ATTN_CHECK_INPUTS=1`` (checking them costs a device sync). Without it the kernels clamp a
+bad value and record it (flash_attn/_bad_input.py): ``flash_attn.check_bad_inputs()`` or the
+next call raises a ValueError naming the argument, the index and the value, and CUDA stays
+usable. Those cases run in a subprocess so that a crash shows up as one failed test instead of
+taking the rest of the suite down with a poisoned CUDA context.
 """
 
 import json
@@ -199,21 +202,34 @@ def test_noncontiguous_last_dim_works_or_raises(which):
 
 
 # ---------------------------------------------------------------------------------------------
-# cu_seqlens values: checked with FLASH_ATTN_CHECK_INPUTS=1, harmless without it
+# cu_seqlens values: checked with FLASH_ATTN_CHECK_INPUTS=1, recorded by the kernels without it
 # ---------------------------------------------------------------------------------------------
 
-# name -> (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q (100, h, d), k/v (120, hk, d)
+# name -> (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q (100, h, d), k/v (120, hk, d),
+# and what the kernels record without the checks: (argument, index, value) as the message says.
 BAD_CU_SEQLENS = {
     "q_last_too_large": ([0, 30, 60, 600], [0, 40, 80, 120], 540, 40),
     "k_last_too_large": ([0, 30, 60, 100], [0, 40, 80, 4000], 40, 3920),
     "q_non_monotonic": ([0, 70, 30, 100], [0, 40, 80, 120], 70, 40),
     "max_seqlen_q_too_small": ([0, 30, 60, 100], [0, 40, 80, 120], 10, 40),
+    "q_not_from_0": ([5, 30, 60, 100], [0, 40, 80, 120], 40, 40),
+    "k_negative": ([0, 30, 60, 100], [0, -40, 80, 120], 40, 80),
+    "max_seqlen_k_too_small": ([0, 30, 60, 100], [0, 40, 80, 120], 40, 20),
+}
+RECORDED = {
+    "q_last_too_large": ("cu_seqlens_q", "entry 3", "value 600"),
+    "k_last_too_large": ("cu_seqlens_k", "entry 3", "value 4000"),
+    "q_non_monotonic": ("cu_seqlens_q", "entry 2", "value 30"),
+    "max_seqlen_q_too_small": ("max_seqlen_q", "index ", "value "),
+    "q_not_from_0": ("cu_seqlens_q", "entry 0", "value 5"),
+    "k_negative": ("cu_seqlens_k", "entry 1", "value -40"),
+    "max_seqlen_k_too_small": ("max_seqlen_k", "index ", "value "),
 }
 
 _SUBPROCESS_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    from flash_attn import check_bad_inputs, flash_attn_func, flash_attn_varlen_func
     cases = json.loads(sys.argv[1])
     torch.manual_seed(0)
     for name, (cq, ck, mq, mk) in cases.items():
@@ -231,12 +247,17 @@ _SUBPROCESS_SCRIPT = textwrap.dedent(
             result = "returned"
         except ValueError as e:
             result = "ValueError: " + str(e)
-        torch.cuda.synchronize()
+        try:
+            check_bad_inputs()
+            recorded = "nothing"
+        except ValueError as e:
+            recorded = "ValueError: " + str(e)
         a, b, c = (torch.randn(2, 65, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         good = flash_attn_func(a, b, c, causal=True)
         torch.cuda.synchronize()
         assert torch.isfinite(good).all()
-        print("CASE", name, "|", result.replace("\\n", " "), flush=True)
+        print("CASE", name, "|", result.replace("\\n", " "), "||", recorded.replace("\\n", " "),
+              flush=True)
     print("ALL_DONE", flush=True)
     """
 )
@@ -274,19 +295,144 @@ def test_check_inputs_env_rejects_bad_cu_seqlens():
     proc, results, log = _run_cases(check_inputs=True)
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, log
     for name in BAD_CU_SEQLENS:
-        assert results.get(name, "").startswith("ValueError"), f"{name}: {results.get(name)}\n{log}"
-        assert ("cu_seqlens" in results[name]) or ("max_seqlen" in results[name]), results[name]
+        before, _, recorded = results.get(name, "").partition(" || ")
+        assert before.startswith("ValueError"), f"{name}: {results.get(name)}\n{log}"
+        assert ("cu_seqlens" in before) or ("max_seqlen" in before), before
+        assert recorded == "nothing", f"{name}: no kernel should have run: {recorded}"
     assert_cuda_usable()
 
 
-def test_bad_cu_seqlens_without_checks_do_not_crash_cuda():
-    """Without the checks, wrong cu_seqlens values give garbage (or a ValueError), never a CUDA
-    error: the call returns, the device syncs, and a good call works afterwards."""
+def test_bad_cu_seqlens_without_checks_are_recorded():
+    """Without the checks, the call with wrong cu_seqlens / max_seqlen values returns (a wrong
+    result, never a CUDA error), check_bad_inputs() raises a ValueError naming the argument, the
+    index and the value the kernels recorded, and a good call works afterwards."""
     proc, results, log = _run_cases(check_inputs=False)
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
     assert set(results) == set(BAD_CU_SEQLENS), log
+    for name, (arg, index, value) in RECORDED.items():
+        before, _, recorded = results[name].partition(" || ")
+        assert before == "returned", f"{name}: {before}"
+        assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
+        assert index in recorded and value in recorded, f"{name}: {recorded}"
     assert_cuda_usable()
+
+
+# flash_attn_with_kvcache's device-valued inputs, without FLASH_ATTN_CHECK_INPUTS: each case
+# returns, then check_bad_inputs() must name (argument, index, value). q (2, 1, 4, 64); caches
+# (2, 256, 2, 64), or paged: 8 pages of 64 rows, 2 table columns per sequence (128 keys).
+KVCACHE_CASES = {
+    "batch_idx_too_large": dict(seqlens=[5, 9], batch_idx=[0, 7]),
+    "batch_idx_negative": dict(seqlens=[5, 9], batch_idx=[-1, 0]),
+    "seqlens_past_capacity": dict(seqlens=[5, 5000]),
+    "seqlens_negative": dict(seqlens=[-3, 5]),
+    "append_overflows": dict(seqlens=[250, 5], new=10),
+    "leftpad_past_seqlens": dict(seqlens=[5, 9], leftpad=[10, 0]),
+    "block_table_too_large": dict(seqlens=[70, 9], table=[[0, 99], [2, 3]]),
+    "block_table_negative": dict(seqlens=[5, 9], table=[[-2, 1], [2, 3]]),
+    "seqlens_past_pages": dict(seqlens=[5, 300], table=[[0, 1], [2, 3]]),
+}
+KVCACHE_RECORDED = {
+    "batch_idx_too_large": ("cache_batch_idx", "index 1", "value 7"),
+    "batch_idx_negative": ("cache_batch_idx", "index 0", "value -1"),
+    "seqlens_past_capacity": ("cache_seqlens", "index 1", "value 5000"),
+    "seqlens_negative": ("cache_seqlens", "index 0", "value -3"),
+    "append_overflows": ("cache_seqlens", "index 0", "value 250"),
+    "leftpad_past_seqlens": ("cache_leftpad", "index 0", "value 10"),
+    "block_table_too_large": ("block_table", "offset 1 ", "value 99"),
+    "block_table_negative": ("block_table", "offset 0 ", "value -2"),
+    "seqlens_past_pages": ("cache_seqlens", "index 1", "value 300"),
+}
+
+_KVCACHE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from flash_attn import check_bad_inputs, flash_attn_func, flash_attn_with_kvcache
+    cases = json.loads(sys.argv[1])
+    dev, bf16 = "cuda", torch.bfloat16
+    for name, c in cases.items():
+        q = torch.randn(2, 1, 4, 64, dtype=bf16, device=dev)
+        paged = "table" in c
+        shape = (8, 64, 2, 64) if paged else (2, 256, 2, 64)
+        k_cache = torch.randn(shape, dtype=bf16, device=dev)
+        v_cache = torch.randn(shape, dtype=bf16, device=dev)
+        kw = dict(cache_seqlens=torch.tensor(c["seqlens"], dtype=torch.int32, device=dev))
+        if "batch_idx" in c:
+            kw["cache_batch_idx"] = torch.tensor(c["batch_idx"], dtype=torch.int32, device=dev)
+        if "leftpad" in c:
+            kw["cache_leftpad"] = torch.tensor(c["leftpad"], dtype=torch.int32, device=dev)
+        if paged:
+            kw["block_table"] = torch.tensor(c["table"], dtype=torch.int32, device=dev)
+        if c.get("new"):
+            kw["k"] = torch.randn(2, c["new"], 2, 64, dtype=bf16, device=dev)
+            kw["v"] = torch.randn(2, c["new"], 2, 64, dtype=bf16, device=dev)
+        try:
+            flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, **kw)
+            torch.cuda.synchronize()
+            result = "returned"
+        except ValueError as e:
+            result = "ValueError: " + str(e)
+        try:
+            check_bad_inputs()
+            recorded = "nothing"
+        except ValueError as e:
+            recorded = "ValueError: " + str(e)
+        a, b, d = (torch.randn(2, 65, 4, 64, dtype=bf16, device=dev) for _ in range(3))
+        good = flash_attn_func(a, b, d, causal=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(good).all()
+        print("CASE", name, "|", result.replace("\\n", " "), "||", recorded.replace("\\n", " "),
+              flush=True)
+    print("ALL_DONE", flush=True)
+    """
+)
+
+
+def test_bad_kvcache_values_are_recorded():
+    """Out-of-range cache_batch_idx, cache_seqlens (negative, past the cache or its pages, an
+    append that overflows), cache_leftpad and block_table entries: the call returns, then
+    check_bad_inputs() raises a ValueError naming the argument, the batch index and the value,
+    and a good call works afterwards."""
+    proc, results, log = _run_script(_KVCACHE_SCRIPT, json.dumps(KVCACHE_CASES),
+                                     FLASH_ATTN_CHECK_INPUTS="0")
+    assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
+        f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
+    for name, (arg, index, value) in KVCACHE_RECORDED.items():
+        before, _, recorded = results[name].partition(" || ")
+        assert before == "returned", f"{name}: {before}"
+        assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
+        assert index in recorded and value in recorded, f"{name}: {recorded}"
+    assert_cuda_usable()
+
+
+def test_bad_input_raised_by_the_next_call():
+    """Without check_bad_inputs(): the call after the bad one raises the recorded error before
+    launching anything, and the one after that runs."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from flash_attn import flash_attn_varlen_func
+        q = torch.randn(100, 4, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(120, 2, 64, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 70, 30, 100], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 40, 80, 120], dtype=torch.int32, device="cuda")
+        flash_attn_varlen_func(q, k, k, cu_q, cu_k, 70, 40)
+        torch.cuda.synchronize()
+        try:
+            flash_attn_varlen_func(q, k, k, cu_k[:1].new_tensor([0, 30, 60, 100]), cu_k, 40, 40)
+            print("CASE next | no error", flush=True)
+        except ValueError as e:
+            print("CASE next | ValueError: " + str(e).replace("\\n", " "), flush=True)
+        flash_attn_varlen_func(q, k, k, cu_k[:1].new_tensor([0, 30, 60, 100]), cu_k, 40, 40)
+        torch.cuda.synchronize()
+        print("CASE after | ok", flush=True)
+        """
+    )
+    proc, results, log = _run_script(script, FLASH_ATTN_CHECK_INPUTS="0")
+    assert proc.returncode == 0, log
+    assert results.get("next", "").startswith("ValueError: flash_attn: cu_seqlens_q"), log
+    assert "entry 2" in results["next"] and "value 30" in results["next"], results["next"]
+    assert results.get("after") == "ok", log
 
 
 # Errors raised by the C++ binding itself (its FA_CHECKs), reached by calling the extension

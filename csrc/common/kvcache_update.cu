@@ -1,11 +1,13 @@
 // The kernel of kvcache_update.h: one thread per output element (k, v, then rotated q), after
 // one per batch entry for seqused_k. Rows landing outside the cache are dropped and positions
-// outside the rotary tables clamped, so bad lengths or indices never address out of range.
+// outside the rotary tables clamped, so bad lengths or indices never address out of range; the
+// bad values are recorded (common/bad_input.h), once per batch entry where they are per entry.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 
+#include "bad_input.h"
 #include "kvcache_update.h"
 
 namespace flash {
@@ -79,10 +81,25 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
          e += index_t(gridDim.x) * kThreads) {
         if (e < p.batch) {
             const int b = int(e);
+            const index_t first = first_row(b);
             const int end =
-                int(min(max(first_row(b) + p.seqlen_new, index_t(0)), index_t(p.seqlen_cache)));
-            p.seqused_k[b] =
-                end - (p.cache_leftpad == nullptr ? 0 : min(max(p.cache_leftpad[b], 0), end));
+                int(min(max(first + p.seqlen_new, index_t(0)), index_t(p.seqlen_cache)));
+            if (p.cache_seqlens != nullptr && (first < 0 || first + p.seqlen_new > p.seqlen_cache)) {
+                report_bad_input(p.bad_input, BadInput::kCacheSeqlens, b, p.cache_seqlens[b]);
+            }
+            int pad = 0;
+            if (p.cache_leftpad != nullptr) {
+                const int given = p.cache_leftpad[b];
+                pad = min(max(given, 0), end);
+                if (pad != given) report_bad_input(p.bad_input, BadInput::kLeftpadK, b, given);
+            }
+            if (p.cache_batch_idx != nullptr) {
+                const int given = p.cache_batch_idx[b];
+                if (given < 0 || given >= p.batch_cache) {
+                    report_bad_input(p.bad_input, BadInput::kKvBatchIdx, b, given);
+                }
+            }
+            p.seqused_k[b] = end - pad;
             continue;
         }
         index_t x = e - p.batch;
@@ -96,8 +113,12 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
                             : min(max(p.cache_batch_idx[r.b], 0), p.batch_cache - 1);
             int row = int(pos);
             if (p.block_table != nullptr) {
-                const int page = p.block_table[r.b * p.block_table_stride + row / p.page_size];
+                const index_t at_entry = r.b * p.block_table_stride + row / p.page_size;
+                const int page = p.block_table[at_entry];
                 entry = min(max(page, 0), p.batch_cache - 1);
+                if (entry != page) {
+                    report_bad_input(p.bad_input, BadInput::kBlockTable, int(at_entry), page);
+                }
                 row %= p.page_size;
             }
             if (is_v) {

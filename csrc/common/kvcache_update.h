@@ -53,6 +53,9 @@ struct KVCacheUpdateParams {
     // Out, (batch,): end - min(max(cache_leftpad[b], 0), end), the keys of batch b, with
     // end = min(max(cache_seqlens[b] + seqlen_new, 0), seqlen_cache).
     int* seqused_k = nullptr;
+    // Where an out-of-range cache_seqlens, cache_batch_idx, cache_leftpad or block_table entry
+    // is recorded (common/bad_input.h): host-mapped, set by the binding; nullptr: not recorded.
+    unsigned long long* bad_input = nullptr;
 };
 
 // Launches the update on `stream`; fp16 or bf16 tensors.

@@ -85,6 +85,10 @@ struct AttnShape {
     int window_left = -1;
     int window_right = -1;
 
+    // Where the kernels record an out-of-range device-valued input (common/bad_input.h):
+    // host-mapped, set by the binding. nullptr: not recorded.
+    unsigned long long* bad_input = nullptr;
+
     FLASH_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 

@@ -1,8 +1,10 @@
 // Where one (batch, head) problem lives: sequence lengths and row offsets, batched or varlen.
-// Varlen offsets are clamped to the tensors' extents so that inconsistent cu_seqlens never send a
-// kernel out of bounds (they only give wrong numbers, which FLASH_ATTN_CHECK_INPUTS=1 catches).
+// Device-valued inputs (cu_seqlens, seqused_k, kv_batch_idx, leftpad_k, block_table) are clamped
+// to the tensors' extents so that bad values never send a kernel out of bounds, and a value that
+// needed clamping is recorded (common/bad_input.h) so that it is reported, not silently wrong.
 #pragma once
 
+#include "bad_input.h"
 #include "mask.h"
 #include "params.h"
 
@@ -19,14 +21,20 @@ struct SeqInfo {
 
     __device__ SeqInfo(const AttnShape& p, int bidb) {
         pages = p.block_table == nullptr ? nullptr : p.block_table + bidb * p.block_table_stride;
-        bidb_k = pages != nullptr             ? 0
-                 : p.kv_batch_idx == nullptr ? bidb
-                                             : min(max(p.kv_batch_idx[bidb], 0), p.batch_k - 1);
+        bidb_k = bidb;
+        if (pages != nullptr) {
+            bidb_k = 0;
+        } else if (p.kv_batch_idx != nullptr) {
+            const int given = p.kv_batch_idx[bidb];
+            bidb_k = min(max(given, 0), p.batch_k - 1);
+            if (bidb_k != given) report_bad_input(p.bad_input, BadInput::kKvBatchIdx, bidb, given);
+        }
         if (p.is_varlen()) {
-            int q0 = min(max(p.cu_seqlens_q[bidb], 0), p.total_q);
-            int q1 = min(max(p.cu_seqlens_q[bidb + 1], q0), p.total_q);
-            int k0 = min(max(p.cu_seqlens_k[bidb], 0), p.total_k);
-            int k1 = min(max(p.cu_seqlens_k[bidb + 1], k0), p.total_k);
+            // Entry 0 must be 0, and entry b + 1 at least entry b and at most the row count.
+            const int q0 = bounded_start(p, p.cu_seqlens_q, bidb, p.total_q, BadInput::kCuSeqlensQ);
+            const int q1 = bounded_end(p, p.cu_seqlens_q, bidb, q0, p.total_q, BadInput::kCuSeqlensQ);
+            const int k0 = bounded_start(p, p.cu_seqlens_k, bidb, p.total_k, BadInput::kCuSeqlensK);
+            const int k1 = bounded_end(p, p.cu_seqlens_k, bidb, k0, p.total_k, BadInput::kCuSeqlensK);
             row_q = q0;
             row_k = p.block_table == nullptr ? k0 : 0;  // paged: the table finds the rows
             seqlen_q = q1 - q0;
@@ -39,12 +47,27 @@ struct SeqInfo {
         }
         // A sequence longer than max_seqlen (a wrong max_seqlen) is cut to it, so every kernel
         // of forward and backward sees the same rows and the grid covers them.
-        seqlen_q = min(seqlen_q, p.seqlen_q);
-        seqlen_k = min(seqlen_k, p.seqlen_k);
-        if (p.seqused_k != nullptr) seqlen_k = min(max(p.seqused_k[bidb], 0), seqlen_k);
+        if (seqlen_q > p.seqlen_q) {
+            report_bad_input(p.bad_input, BadInput::kMaxSeqlenQ, bidb, seqlen_q);
+            seqlen_q = p.seqlen_q;
+        }
+        if (seqlen_k > p.seqlen_k) {
+            report_bad_input(p.bad_input, BadInput::kMaxSeqlenK, bidb, seqlen_k);
+            seqlen_k = p.seqlen_k;
+        }
+        if (p.seqused_k != nullptr) {
+            const int given = p.seqused_k[bidb];
+            const int used = min(max(given, 0), seqlen_k);
+            if (used != given) report_bad_input(p.bad_input, BadInput::kSequsedK, bidb, given);
+            seqlen_k = used;
+        }
         // Dead (and not loaded) in code that only needs the lengths.
-        k_first = p.leftpad_k == nullptr ? 0
-                                         : min(max(p.leftpad_k[bidb], 0), p.seqlen_k - seqlen_k);
+        k_first = 0;
+        if (p.leftpad_k != nullptr) {
+            const int given = p.leftpad_k[bidb];
+            k_first = min(max(given, 0), p.seqlen_k - seqlen_k);
+            if (k_first != given) report_bad_input(p.bad_input, BadInput::kLeftpadK, bidb, given);
+        }
     }
 
     // Element offset of (row, head) for an operand: batched tensors use the batch stride, varlen
@@ -58,9 +81,17 @@ struct SeqInfo {
         return offset(s, p, bidb_k, row_k, k_first + row, head);
     }
 
-    // Paged K/V: the page holding key row `row`, and the row within it.
+    // Paged K/V: the page holding key row `row`, and the row within it. A bad entry is
+    // recorded with its element offset in the table (no division in the load path).
     __device__ int page(const AttnShape& p, int row) const {
-        return min(max(pages[row / p.page_size], 0), p.num_pages - 1);
+        const int entry = row / p.page_size;
+        const int given = pages[entry];
+        const int page = min(max(given, 0), p.num_pages - 1);
+        if (page != given) {
+            report_bad_input(p.bad_input, BadInput::kBlockTable,
+                             int(pages - p.block_table) + entry, given);
+        }
+        return page;
     }
     // Paged K/V: element offset of key row `row` from its head's in page 0.
     __device__ index_t page_offset(const TensorStrides& s, const AttnShape& p, int row) const {
@@ -85,6 +116,24 @@ struct SeqInfo {
     }
 
   private:
+    // cu_seqlens[b], clamped into [0, total]; entry 0 must be 0.
+    static __device__ int bounded_start(const AttnShape& p, const int* cu, int b, int total,
+                                        BadInput what) {
+        const int given = cu[b];
+        const int start = min(max(given, 0), total);
+        if (b == 0 && given != 0) report_bad_input(p.bad_input, what, 0, given);
+        return start;
+    }
+    // cu_seqlens[b + 1], clamped into [start, total] (a bad entry b itself is reported as the
+    // end of sequence b - 1).
+    static __device__ int bounded_end(const AttnShape& p, const int* cu, int b, int start,
+                                      int total, BadInput what) {
+        const int given = cu[b + 1];
+        const int end = min(max(given, start), total);
+        if (end != given) report_bad_input(p.bad_input, what, b + 1, given);
+        return end;
+    }
+
     __device__ index_t offset(const TensorStrides& s, const AttnShape& p, int bidb, index_t row0,
                               int row, int head) const {
         index_t base = p.is_varlen() ? row0 * s.row : index_t(bidb) * s.batch;
