@@ -211,14 +211,14 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
-    if leftpad_k is not None:
-        if seqused_k is None or block_table is not None or cu_seqlens_k is not None:
-            raise ValueError("flash_attn: leftpad_k is for batched, unpaged K/V with seqused_k "
-                             "(the keys from the pad on)")
-        k, v = reference.unpad_left(k, v, seqused_k, leftpad_k)
     if block_table is not None and cu_seqlens_k is None:
         k, v = reference.unpage(k, block_table), reference.unpage(v, block_table)
-    elif block_table is not None:
+    if leftpad_k is not None:
+        if seqused_k is None or cu_seqlens_k is not None:
+            raise ValueError("flash_attn: leftpad_k is for batched K/V with seqused_k (the keys "
+                             "from the pad on)")
+        k, v = reference.unpad_left(k, v, seqused_k, leftpad_k)
+    if block_table is not None and cu_seqlens_k is not None:
         # Sequence b's keys are its pages' first rows, as many as the kernels count; packed
         # back to back, the reference reads them through cu_seqlens_k rebuilt from the counts.
         lens = reference.paged_key_counts(cu_seqlens_k, block_table.shape[1] * k.shape[1],
