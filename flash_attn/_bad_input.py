@@ -11,7 +11,8 @@ bad value returns a wrong result, and the next call into the package, or
 :func:`check_bad_inputs` (which syncs first), raises. Nothing traps, so the CUDA context stays
 usable. ``FLASH_ATTN_CHECK_INPUTS=1`` still checks cu_seqlens and max_seqlen before each call,
 with a sync. While ``torch.compile`` traces, the word is not read; compiled code's bad values are
-raised by the next eager call or by :func:`check_bad_inputs`.
+raised by the next eager call or by :func:`check_bad_inputs`. Ring attention's entry points do
+not read it either: an error raised on one rank alone would leave the others waiting in the ring.
 """
 
 from __future__ import annotations
