@@ -273,40 +273,64 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // The word the current device's kernels record an out-of-range input in (common/bad_input.h):
-// 8 bytes of mapped, pinned host memory per device, allocated at the device's first call and
-// kept for the process. `host` is what the Python layer reads, `device` what kernels write.
+// 8 bytes of mapped, pinned host memory per device, allocated at the device's first launch
+// outside a CUDA-graph capture (allocating pinned memory synchronizes, which a capture refuses)
+// and kept for the process. `host` is what the Python layer reads, `device` what kernels write.
+// Launches before it exists, or on a device where it could not be allocated, record nothing.
 struct BadInputWord {
     unsigned long long* host = nullptr;
     unsigned long long* device = nullptr;
+    bool failed = false;
 };
 
-BadInputWord bad_input_word(int device) {
+std::mutex& bad_input_mutex() {
     static std::mutex mutex;
+    return mutex;
+}
+
+std::vector<BadInputWord>& bad_input_words() {
     static std::vector<BadInputWord> words;
-    FA_CHECK(device >= 0, "flash_attn: no CUDA device index ", device);
-    std::lock_guard<std::mutex> lock(mutex);
+    return words;
+}
+
+// The device pointer for a launch on `device` and `stream`, or nullptr (not recorded).
+unsigned long long* bad_input_word_for_launch(int device, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(bad_input_mutex());
+    auto& words = bad_input_words();
+    if (device < 0) return nullptr;
     if (words.size() <= size_t(device)) words.resize(size_t(device) + 1);
     BadInputWord& w = words[size_t(device)];
-    if (w.host == nullptr) {
-        void* host = nullptr;
-        void* dev = nullptr;
-        cudaError_t err = cudaHostAlloc(&host, sizeof(unsigned long long),
-                                        cudaHostAllocMapped | cudaHostAllocPortable);
-        if (err == cudaSuccess) {
-            *static_cast<unsigned long long*>(host) = 0;
-            err = cudaHostGetDevicePointer(&dev, host, 0);
-        }
-        FA_CHECK(err == cudaSuccess, "flash_attn: could not map the bad-input word: ",
-                 cudaGetErrorString(err));
-        w = {static_cast<unsigned long long*>(host), static_cast<unsigned long long*>(dev)};
+    if (w.host != nullptr || w.failed) return w.device;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+        cudaGetLastError();
+        return nullptr;  // allocated at a later launch outside the capture
     }
-    return w;
+    void* host = nullptr;
+    void* dev = nullptr;
+    if (cudaHostAlloc(&host, sizeof(unsigned long long),
+                      cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess) {
+        *static_cast<unsigned long long*>(host) = 0;
+        if (cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess) {
+            w.host = static_cast<unsigned long long*>(host);
+            w.device = static_cast<unsigned long long*>(dev);
+            return w.device;
+        }
+        cudaFreeHost(host);
+    }
+    cudaGetLastError();  // a failure here must not surface as a later launch's error
+    w.failed = true;
+    return nullptr;
 }
 
 unsigned long long* current_bad_input_word() {
     int device = -1;
-    cudaGetDevice(&device);
-    return bad_input_word(device).device;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    return bad_input_word_for_launch(device, at::cuda::getCurrentCUDAStream());
 }
 
 void fill_shape(flash::AttnShape& s, const Problem& pb,
@@ -757,9 +781,22 @@ at::Tensor kvcache_update(at::Tensor k_cache, at::Tensor v_cache, std::optional<
     return seqused_k;
 }
 
-// The host address of device `device`'s bad-input word, for flash_attn/_bad_input.py.
+// The host address of device `device`'s bad-input word for flash_attn/_bad_input.py to read,
+// or 0 while it does not exist (no launch has recorded into it).
 uint64_t bad_input_word_address(int64_t device) {
-    return reinterpret_cast<uint64_t>(bad_input_word(int(device)).host);
+    std::lock_guard<std::mutex> lock(bad_input_mutex());
+    const auto& words = bad_input_words();
+    if (device < 0 || size_t(device) >= words.size()) return 0;
+    return reinterpret_cast<uint64_t>(words[size_t(device)].host);
+}
+
+// The word's value, swapped for 0 in one atomic exchange: a report landing while the Python
+// layer clears the word is kept for the next read, and two threads never both take one.
+uint64_t take_bad_input(int64_t device) {
+    const uint64_t address = bad_input_word_address(device);
+    if (address == 0) return 0;
+    return __atomic_exchange_n(reinterpret_cast<unsigned long long*>(address), 0ull,
+                               __ATOMIC_SEQ_CST);
 }
 
 pybind11::dict build_info() {
@@ -813,5 +850,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("block_table") = py::none(), py::arg("cache_leftpad") = py::none());
     m.def("build_info", &build_info, "what this build compiled");
     m.def("bad_input_word_address", &bad_input_word_address,
-          "host address of a device's bad-input word (common/bad_input.h)", py::arg("device"));
+          "host address of a device's bad-input word (common/bad_input.h), 0 if none yet",
+          py::arg("device"));
+    m.def("take_bad_input", &take_bad_input,
+          "a device's bad-input word, atomically swapped for 0", py::arg("device"));
 }

@@ -7,9 +7,12 @@ sync per call. Instead the kernels clamp a bad value, so that nothing outside th
 or written, and record it in a word of host-mapped memory, one per device
 (``csrc/common/bad_input.h``). Every entry point reads that word at its start (a plain load from
 host memory, no sync) and raises the recorded error as a ``ValueError``: the call that passed the
-bad value returns a wrong result, and the next call into the package, or
-:func:`check_bad_inputs` (which syncs first), raises. Nothing traps, so the CUDA context stays
-usable. ``FLASH_ATTN_CHECK_INPUTS=1`` still checks cu_seqlens and max_seqlen before each call,
+bad value returns a wrong result, and the next call into the package on that device (from any
+thread), or :func:`check_bad_inputs` (which syncs first), raises. Nothing traps, so the CUDA
+context stays usable. ``FLASH_ATTN_BAD_INPUTS=warn`` turns the error into a ``RuntimeWarning``
+and ``=off`` stops reading the word (for a server where one request's bad input must not fail
+another's call). A launch inside a CUDA-graph capture before the word exists records nothing
+(allocating it would break the capture). ``FLASH_ATTN_CHECK_INPUTS=1`` still checks cu_seqlens and max_seqlen before each call,
 with a sync. While ``torch.compile`` traces, the word is not read; compiled code's bad values are
 raised by the next eager call or by :func:`check_bad_inputs`. Ring attention's entry points do
 not read it either: an error raised on one rank alone would leave the others waiting in the ring.
@@ -18,6 +21,8 @@ not read it either: an error raised on one rank alone would leave the others wai
 from __future__ import annotations
 
 import ctypes
+import os
+import warnings
 from typing import Dict, Optional, Union
 
 import torch
@@ -47,6 +52,14 @@ _CODES: Dict[int, tuple] = {
 }
 
 _WORDS: Dict[int, ctypes.c_uint64] = {}
+_MODES = ("raise", "warn", "off")
+
+
+def _mode() -> str:
+    mode = os.environ.get("FLASH_ATTN_BAD_INPUTS", "raise")
+    if mode not in _MODES:
+        raise ValueError(f"FLASH_ATTN_BAD_INPUTS must be one of {', '.join(_MODES)}, got {mode!r}")
+    return mode
 
 
 def describe(word: int) -> str:
@@ -56,36 +69,50 @@ def describe(word: int) -> str:
     value = ctypes.c_int32(word & 0xFFFFFFFF).value
     name, index_kind, rule = _CODES.get(
         code, (f"an argument (code {code})", "index", "it is out of range"))
-    return (f"flash_attn: {name} was out of range in an earlier CUDA call: {index_kind} {index} "
-            f"has value {value}; {rule}. That call's result is wrong (the kernels clamped the "
-            f"value to stay within the tensors); this error is raised by the next call into "
-            f"flash_attn or by flash_attn.check_bad_inputs().")
+    at = f"{index_kind} {index}" if index < 0xFFFFFF else f"{index_kind} >= {index}"
+    return (f"flash_attn: {name} was out of range in an earlier CUDA call on this device "
+            f"(possibly another thread's): {at} has value {value}; {rule}. The kernels clamped "
+            f"the value to stay within the tensors, so that call's result may be wrong. Raised "
+            f"by the next call into flash_attn or by flash_attn.check_bad_inputs(); "
+            f"FLASH_ATTN_BAD_INPUTS=warn or =off turns the error into a warning or off.")
 
 
-def _word(index: int) -> ctypes.c_uint64:
+def _word(index: int) -> Optional[ctypes.c_uint64]:
+    """The device's word, or None while no launch has created it."""
     word = _WORDS.get(index)
     if word is None:
         from .ops import load_extension
 
-        word = _WORDS[index] = ctypes.c_uint64.from_address(
-            load_extension().bad_input_word_address(index))
+        address = load_extension().bad_input_word_address(index)
+        if not address:
+            return None
+        word = _WORDS[index] = ctypes.c_uint64.from_address(address)
     return word
 
 
 def raise_pending(device: torch.device) -> None:
     """Raise the bad input recorded on ``device`` (CUDA) since the last check, if any, and
-    clear it. No sync: a kernel still running may record one later. Free when the extension is
-    not loaded yet (no kernel has run)."""
+    clear it (FLASH_ATTN_BAD_INPUTS=warn: warn instead; =off: nothing). No sync: a kernel still
+    running may record one later. Free when the extension is not loaded yet (no kernel has
+    run)."""
     from . import ops
 
-    if device.type != "cuda" or ops._EXT is None or torch.compiler.is_compiling():
+    if device.type != "cuda" or torch.compiler.is_compiling() or ops._EXT is None:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     word = _word(index)
-    value = word.value
-    if value:
-        word.value = 0
-        raise ValueError(describe(value))
+    if word is None or not word.value:
+        return
+    mode = _mode()
+    if mode == "off":
+        return
+    value = ops._EXT.take_bad_input(index)  # atomic: another thread may have taken it
+    if not value:
+        return
+    if mode == "warn":
+        warnings.warn(describe(value), RuntimeWarning, stacklevel=3)
+        return
+    raise ValueError(describe(value))
 
 
 def check_bad_inputs(device: Optional[Union[torch.device, str, int]] = None) -> None:
@@ -93,8 +120,10 @@ def check_bad_inputs(device: Optional[Union[torch.device, str, int]] = None) -> 
     kernel of this package recorded an out-of-range device-valued input (cu_seqlens, seqused_k /
     cache_seqlens, cache_batch_idx, cache_leftpad, block_table, or a too-small max_seqlen) since
     the last check. Without this call, the next call into flash_attn raises it."""
-    if not torch.cuda.is_available():
-        return
+    from . import ops
+
+    if ops._EXT is None or not torch.cuda.is_available():
+        return  # no kernel of this package has run
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else (
         torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
     torch.cuda.synchronize(dev)

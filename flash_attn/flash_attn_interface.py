@@ -689,10 +689,12 @@ flash_attn_with_kvcache.__doc__ = """
             KV cache; required with k and v. None (without k and v): every row of the cache.
             Lengths past seqlen_cache - seqlen_new never write or read outside the cache: the
             rows that would land past its end are dropped (checked and refused on CPU, and on
-            CUDA with FLASH_ATTN_CHECK_INPUTS=1).
+            CUDA with FLASH_ATTN_CHECK_INPUTS=1; without it the kernels record the value and
+            the next call raises it, see flash_attn.check_bad_inputs).
         cache_batch_idx: (batch_size,), dtype torch.int32. The indices used to index into the
             KV cache. If None, we assume that the batch indices are [0, 1, 2, ..., batch_size -
-            1]. If the indices are not distinct, and k and v are provided, the values updated
+            1]; out-of-range entries are clamped and raised by the next call. If the indices
+            are not distinct, and k and v are provided, the values updated
             in the cache might come from any of the duplicate indices.
         cache_leftpad [optional]: (batch_size,), dtype torch.int32. The index that the KV
             cache starts: sequence b's keys are its cache rows [cache_leftpad[b],

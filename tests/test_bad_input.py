@@ -54,21 +54,68 @@ def test_describe_names_argument_index_and_value(code):
 
 
 def test_describe_large_values_and_unknown_code():
-    assert "entry 16777215 has value 2147483647" in _bad_input.describe(
-        _pack(1, 0xFFFFFF, 2**31 - 1))
+    assert "entry 16777214 has value 2147483647" in _bad_input.describe(
+        _pack(1, 0xFFFFFE, 2**31 - 1))
+    assert "entry >= 16777215 has value" in _bad_input.describe(_pack(1, 0xFFFFFF, 5))
     assert "code 200" in _bad_input.describe(_pack(200, 1, 1))
 
 
-def test_raise_pending_raises_once_and_clears(monkeypatch):
-    word = ctypes.c_uint64(_pack(6, 3, 99))
-    monkeypatch.setattr(ops, "_EXT", object())  # as if the extension had run kernels
+class _FakeExt:
+    """The extension's word functions over a ctypes word (the binding swaps atomically)."""
+
+    def __init__(self, word: ctypes.c_uint64):
+        self.word = word
+        self.takes = 0
+
+    def take_bad_input(self, index: int) -> int:
+        self.takes += 1
+        value, self.word.value = self.word.value, 0
+        return value
+
+
+@pytest.fixture
+def fake_word(monkeypatch):
+    word = ctypes.c_uint64(0)
+    ext = _FakeExt(word)
+    monkeypatch.setattr(ops, "_EXT", ext)  # as if the extension had run kernels
     monkeypatch.setattr(_bad_input, "_word", lambda index: word)
+    monkeypatch.delenv("FLASH_ATTN_BAD_INPUTS", raising=False)
+    return word, ext
+
+
+def test_raise_pending_raises_once_and_clears(fake_word):
+    word, ext = fake_word
+    word.value = _pack(6, 3, 99)
     cuda0 = torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"block_table .*element offset 3 has value 99"):
         _bad_input.raise_pending(cuda0)
-    assert word.value == 0
-    _bad_input.raise_pending(cuda0)  # nothing recorded: no error
+    assert word.value == 0 and ext.takes == 1
+    _bad_input.raise_pending(cuda0)  # nothing recorded: no error, and no take
+    assert ext.takes == 1
     _bad_input.raise_pending(torch.device("cpu"))
+
+
+def test_modes_warn_and_off(fake_word, monkeypatch):
+    word, ext = fake_word
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setenv("FLASH_ATTN_BAD_INPUTS", "warn")
+    word.value = _pack(4, 1, 7)
+    with pytest.warns(RuntimeWarning, match=r"cache_batch_idx .*batch index 1 has value 7"):
+        _bad_input.raise_pending(cuda0)
+    assert word.value == 0
+    monkeypatch.setenv("FLASH_ATTN_BAD_INPUTS", "off")
+    word.value = _pack(4, 1, 7)
+    _bad_input.raise_pending(cuda0)
+    assert word.value == _pack(4, 1, 7) and ext.takes == 1  # not read, not cleared
+    monkeypatch.setenv("FLASH_ATTN_BAD_INPUTS", "loud")
+    with pytest.raises(ValueError, match="FLASH_ATTN_BAD_INPUTS must be one of raise, warn, off"):
+        _bad_input.raise_pending(cuda0)
+
+
+def test_no_word_yet_means_nothing_recorded(monkeypatch):
+    monkeypatch.setattr(ops, "_EXT", object())
+    monkeypatch.setattr(_bad_input, "_word", lambda index: None)
+    _bad_input.raise_pending(torch.device("cuda", 0))
 
 
 def test_raise_pending_is_free_before_any_kernel(monkeypatch):

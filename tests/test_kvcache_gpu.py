@@ -23,6 +23,8 @@ import sys
 import pytest
 import torch
 
+import flash_attn
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attn_ref import (  # noqa: E402
     arg_re,
@@ -449,7 +451,8 @@ def test_alibi(case):
 
 def test_cache_leftpad_out_of_range_without_checks(monkeypatch):
     """Without FLASH_ATTN_CHECK_INPUTS, pads outside [0, cache_seqlens] are clamped: no
-    faults, a finite output where keys remain, and CUDA stays usable."""
+    faults, a finite output where keys remain, CUDA stays usable, and the kernels record the
+    bad pad (check_bad_inputs raises it)."""
     monkeypatch.delenv("FLASH_ATTN_CHECK_INPUTS", raising=False)
     torch.manual_seed(13)
     dt, d, sc = torch.bfloat16, 64, 128
@@ -460,6 +463,8 @@ def test_cache_leftpad_out_of_range_without_checks(monkeypatch):
                                   cache_leftpad=pads, causal=True)
     torch.cuda.synchronize()
     assert out.shape == q.shape and torch.isfinite(out[0].float()).all()
+    with pytest.raises(ValueError, match="cache_leftpad was out of range"):
+        flash_attn.check_bad_inputs()
     check_against_cpu(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
                       cache_leftpad=torch.tensor([3, 50, 0], dtype=torch.int32, device="cuda"))
 
@@ -499,8 +504,9 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
     the caches and q_rot within 1 ulp (bitwise without rotary), seqused_k equal. With
     out_of_range, cache_seqlens and cache_batch_idx hold values the Python checks would refuse
     (negative, past the cache, near 2^31; entries outside the cache) and the tables are shorter
-    than the positions: rows outside the cache are dropped, indices and positions clamped.
-    cache_leftpad (in range, and out of range with out_of_range) shortens seqused_k."""
+    than the positions: rows outside the cache are dropped, indices and positions clamped, and
+    a bad value recorded (check_bad_inputs raises it). cache_leftpad (in range, and out of
+    range with out_of_range) shortens seqused_k."""
     from flash_attn import ops, reference
 
     torch.manual_seed(7)
@@ -538,6 +544,9 @@ def test_update_kernel_against_reference(lengths, rotary, layout):
                               interleaved, True, None, pads)
     torch.cuda.synchronize()
     assert used.dtype == torch.int32 and torch.equal(used.cpu(), want_used), (used, want_used)
+    if lengths == "out_of_range":
+        with pytest.raises(ValueError, match="was out of range"):
+            flash_attn.check_bad_inputs()
     ulps = 0 if rotary is None else 1
     assert_cache_matches("k_cache", k_cache.contiguous(), cpu[0].contiguous(), ulps)
     assert_cache_matches("v_cache", v_cache.contiguous(), cpu[1].contiguous(), 0)
@@ -573,8 +582,9 @@ def test_compile_decode_step(leftpad):
 
 def test_out_of_range_lengths_without_checks(monkeypatch):
     """Without FLASH_ATTN_CHECK_INPUTS, cache_seqlens past the cache (and negative) and
-    cache_batch_idx outside it run without faults: CUDA stays usable, the output is finite, and
-    a good call afterwards matches the CPU path."""
+    cache_batch_idx outside it run without faults: CUDA stays usable, the output is finite, the
+    kernels record a bad value (check_bad_inputs raises it), and a good call afterwards matches
+    the CPU path."""
     monkeypatch.delenv("FLASH_ATTN_CHECK_INPUTS", raising=False)
     torch.manual_seed(8)
     dt, d, sc = torch.bfloat16, 64, 128
@@ -586,6 +596,8 @@ def test_out_of_range_lengths_without_checks(monkeypatch):
                                   **rotary_kwargs("neox", 64, d, dt))
     torch.cuda.synchronize()
     assert out.shape == q.shape and torch.isfinite(out.float()).all()
+    with pytest.raises(ValueError, match="(cache_seqlens|cache_batch_idx) was out of range"):
+        flash_attn.check_bad_inputs()
     good = torch.tensor([3, 50, 0], dtype=torch.int32, device="cuda")
     check_against_cpu(q, k_cache, v_cache, k=k, v=v, cache_seqlens=good, causal=True,
                       cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda"))

@@ -13,6 +13,8 @@ from typing import List, Sequence
 import pytest
 import torch
 
+import flash_attn
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attn_ref import (  # noqa: E402
     REF_DTYPE,
@@ -401,9 +403,10 @@ def test_varlen_paged(causal, lens, d, page, pack, monkeypatch):
 
 def test_varlen_paged_inconsistent_lengths():
     """Unvalidated cu_seqlens_k of a paged call (not starting at 0, a sequence longer than its
-    table row, a decreasing offset), through the op without the Python checks: no fault, and
-    the kernels count each sequence's keys as the CPU op does (clamped offsets, at most
-    min(max_seqlen_k, the row's capacity))."""
+    table row, a decreasing offset), through the op without the Python checks: no fault, the
+    kernels count each sequence's keys as the CPU op does (clamped offsets, at most
+    min(max_seqlen_k, the row's capacity)), and they record a bad value (check_bad_inputs
+    raises it)."""
     from flash_attn import ops
 
     torch.manual_seed(24)
@@ -417,6 +420,8 @@ def test_varlen_paged_inconsistent_lengths():
     args = (None, 10, 200, d ** -0.5, False, -1, -1, 0.0, False, None, table)
     out, lse = ops.flash_attn_fwd(q, k_pages, v_pages, cu_q, cu_k, *args)
     torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="(cu_seqlens_k|max_seqlen_k) was out of range"):
+        flash_attn.check_bad_inputs()
     cpu = [x.cpu().double() if x.is_floating_point() else x.cpu()
            for x in (q, k_pages, v_pages, cu_q, cu_k)]
     out_ref, lse_ref = ops.flash_attn_fwd(*cpu, None, 10, 200, d ** -0.5, False, -1, -1, 0.0,

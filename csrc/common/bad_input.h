@@ -32,8 +32,10 @@ enum class BadInput : uint32_t {
 __device__ __forceinline__ void report_bad_input(unsigned long long* word, BadInput what,
                                                  int index, int value) {
     if (word == nullptr) return;
+    // Indices past 24 bits saturate (flash_attn/_bad_input.py says "at least").
+    const unsigned int index24 = index < 0 ? 0u : index > 0xFFFFFF ? 0xFFFFFFu : unsigned(index);
     const unsigned long long packed = (static_cast<unsigned long long>(what) << 56) |
-                                      (static_cast<unsigned long long>(index & 0xFFFFFF) << 32) |
+                                      (static_cast<unsigned long long>(index24) << 32) |
                                       static_cast<unsigned int>(value);
     *reinterpret_cast<volatile unsigned long long*>(word) = packed;
 }
