@@ -226,6 +226,33 @@ RECORDED = {
     "max_seqlen_k_too_small": ("max_seqlen_k", "index ", "value "),
 }
 
+# The end of each case in the subprocess scripts (at their loop's indentation): what
+# check_bad_inputs() raises for the case, then a good call, and the case's line.
+_CASE_TAIL = """\
+    try:
+        check_bad_inputs()
+        recorded = "nothing"
+    except ValueError as e:
+        recorded = "ValueError: " + str(e)
+    a = torch.randn(2, 65, 4, 64, dtype=torch.bfloat16, device="cuda")
+    good = flash_attn_func(a, a, a, causal=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(good).all()
+    print("CASE", name, "|", result.replace("\\n", " "), "||", recorded.replace("\\n", " "),
+          flush=True)
+print("ALL_DONE", flush=True)
+"""
+
+
+def _assert_recorded(results, expected) -> None:
+    """Each case returned, and check_bad_inputs() then raised naming (argument, index, value)."""
+    for name, (arg, index, value) in expected.items():
+        before, _, recorded = results[name].partition(" || ")
+        assert before == "returned", f"{name}: {before}"
+        assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
+        assert index in recorded and value in recorded, f"{name}: {recorded}"
+
+
 _SUBPROCESS_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
@@ -247,20 +274,8 @@ _SUBPROCESS_SCRIPT = textwrap.dedent(
             result = "returned"
         except ValueError as e:
             result = "ValueError: " + str(e)
-        try:
-            check_bad_inputs()
-            recorded = "nothing"
-        except ValueError as e:
-            recorded = "ValueError: " + str(e)
-        a, b, c = (torch.randn(2, 65, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-        good = flash_attn_func(a, b, c, causal=True)
-        torch.cuda.synchronize()
-        assert torch.isfinite(good).all()
-        print("CASE", name, "|", result.replace("\\n", " "), "||", recorded.replace("\\n", " "),
-              flush=True)
-    print("ALL_DONE", flush=True)
     """
-)
+) + _CASE_TAIL
 
 
 def _run_script(script: str, *args: str, **env_extra: str):
@@ -310,11 +325,7 @@ def test_bad_cu_seqlens_without_checks_are_recorded():
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
     assert set(results) == set(BAD_CU_SEQLENS), log
-    for name, (arg, index, value) in RECORDED.items():
-        before, _, recorded = results[name].partition(" || ")
-        assert before == "returned", f"{name}: {before}"
-        assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
-        assert index in recorded and value in recorded, f"{name}: {recorded}"
+    _assert_recorded(results, RECORDED)
     assert_cuda_usable()
 
 
@@ -372,20 +383,8 @@ _KVCACHE_SCRIPT = textwrap.dedent(
             result = "returned"
         except ValueError as e:
             result = "ValueError: " + str(e)
-        try:
-            check_bad_inputs()
-            recorded = "nothing"
-        except ValueError as e:
-            recorded = "ValueError: " + str(e)
-        a, b, d = (torch.randn(2, 65, 4, 64, dtype=bf16, device=dev) for _ in range(3))
-        good = flash_attn_func(a, b, d, causal=True)
-        torch.cuda.synchronize()
-        assert torch.isfinite(good).all()
-        print("CASE", name, "|", result.replace("\\n", " "), "||", recorded.replace("\\n", " "),
-              flush=True)
-    print("ALL_DONE", flush=True)
     """
-)
+) + _CASE_TAIL
 
 
 def test_bad_kvcache_values_are_recorded():
@@ -397,11 +396,7 @@ def test_bad_kvcache_values_are_recorded():
                                      FLASH_ATTN_CHECK_INPUTS="0")
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
-    for name, (arg, index, value) in KVCACHE_RECORDED.items():
-        before, _, recorded = results[name].partition(" || ")
-        assert before == "returned", f"{name}: {before}"
-        assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
-        assert index in recorded and value in recorded, f"{name}: {recorded}"
+    _assert_recorded(results, KVCACHE_RECORDED)
     assert_cuda_usable()
 
 

@@ -641,22 +641,6 @@ def test_cache_leftpad_with_block_table(page, sn):
     torch.testing.assert_close(lse, lse_ref, **TOL)
 
 
-@pytest.mark.parametrize("page", [1, 16, 48])
-def test_varlen_paged_any_page_size(page):
-    """flash_attn_varlen_func with keys in pages of any size equals the same keys as varlen
-    tensors."""
-    torch.manual_seed(24 + page)
-    lens_q, lens_k, h, hk, d = [5, 1, 70, 3], [130, 0, 70, 64], 4, 2, 16
-    q = grid_rand(sum(lens_q), h, d)
-    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
-    k, v, cu_k, k_pages, v_pages, table = varlen_paged(lens_k, page, hk, d)
-    args = (cu_q, cu_k, max(lens_q), max(lens_k))
-    out = flash_attn.flash_attn_varlen_func(q, k, v, *args, causal=True)
-    out_p = flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=True,
-                                              block_table=table)
-    torch.testing.assert_close(out_p, out, **TOL)
-
-
 def test_cuda_page_size_limit_named():
     """On CUDA, pages that are not a multiple of 64 raise NotImplementedError naming the limit
     (the page check reads only k's shape and device, so a stand-in for a CUDA k suffices)."""
@@ -691,15 +675,17 @@ def varlen_paged(lens, page, hk, d, spare=1):
     return k, v, cu, paged[0], paged[1], table.to(torch.int32)
 
 
+@pytest.mark.parametrize("page", [64, 1, 16, 48])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_paged(causal):
-    """flash_attn_varlen_func with block_table (keys in shuffled pages of 64 rows) gives the
-    results of the same keys held as varlen tensors; a sequence may hold no key."""
-    torch.manual_seed(21)
+def test_varlen_paged(causal, page):
+    """flash_attn_varlen_func with block_table (keys in shuffled pages of `page` rows, any size
+    on the CPU reference) gives the results of the same keys held as varlen tensors; a sequence
+    may hold no key."""
+    torch.manual_seed(21 + page)
     lens_q, lens_k, h, hk, d = [5, 1, 70, 3], [130, 0, 70, 64], 4, 2, 16
     q = grid_rand(sum(lens_q), h, d)
     cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
-    k, v, cu_k, k_pages, v_pages, table = varlen_paged(lens_k, 64, hk, d)
+    k, v, cu_k, k_pages, v_pages, table = varlen_paged(lens_k, page, hk, d)
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
     out = flash_attn.flash_attn_varlen_func(q, k, v, *args, causal=causal)
     out_p = flash_attn.flash_attn_varlen_func(q, k_pages, v_pages, *args, causal=causal,
