@@ -73,41 +73,62 @@ def _inputs(seqlen: int, nheads: int, hdim: int, device: str) -> List[Tensor]:
 
 
 def _breakdown(q: Tensor, k: Tensor, v: Tensor, seqlen: int, iters: int) -> Dict:
-    """One non-causal ring step taken apart, on this rank: the K/V exchange alone, the kernel
-    alone, and both at once as a ring step issues them (slowest rank of each)."""
+    """One non-causal ring step taken apart, on this rank, slowest rank of each: the forward's
+    K/V exchange alone, its kernel alone and both at once as a ring step issues them; the same
+    for the backward, whose step also sends the fp32 dK/dV accumulators."""
     import flash_attn.ring_attention as ring_attention
     from flash_attn import ops
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    scale = q.shape[-1] ** -0.5
     kv = torch.stack([k, v])
-    buf = torch.empty_like(kv)
+    dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)
+    bufs = {id(x): torch.empty_like(x) for x in (kv, dkv)}
+    out, lse = ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale,
+                                  False, -1, -1, 0.0)
+    dout = torch.randn_like(out)
 
-    def exchange() -> list:
-        return dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, kv, (rank + 1) % world),
-            dist.P2POp(dist.irecv, buf, (rank - 1) % world)])
+    def exchange(*xs: Tensor) -> list:
+        ops_ = []
+        for x in xs:
+            ops_ += [dist.P2POp(dist.isend, x, (rank + 1) % world),
+                     dist.P2POp(dist.irecv, bufs[id(x)], (rank - 1) % world)]
+        return dist.batch_isend_irecv(ops_)
 
-    def xfer() -> None:
-        for r in exchange():
-            r.wait()
-
-    def kernel() -> None:
-        ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1],
-                           q.shape[-1] ** -0.5, False, -1, -1, 0.0,
-                           sm_margin=ring_attention._SM_MARGIN)
-
-    def both() -> None:
-        reqs = exchange()
-        kernel()
+    def wait(reqs: list) -> None:
         for r in reqs:
             r.wait()
 
-    out = {"seqlen": seqlen, "breakdown": True, "bytes": kv.numel() * kv.element_size()}
-    for name, fn in (("xfer", xfer), ("kernel", kernel), ("both", both)):
+    def fwd_kernel() -> None:
+        ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale, False,
+                           -1, -1, 0.0, sm_margin=ring_attention._SM_MARGIN)
+
+    def bwd_kernel() -> None:
+        ops.flash_attn_bwd(dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], scale,
+                           False, -1, -1, 0.0, False)
+
+    def overlapped(kernel: Callable[[], None], *xs: Tensor) -> Callable[[], None]:
+        def step() -> None:
+            reqs = exchange(*xs)
+            kernel()
+            wait(reqs)
+        return step
+
+    steps = {
+        "xfer": lambda: wait(exchange(kv)),
+        "kernel": fwd_kernel,
+        "both": overlapped(fwd_kernel, kv),
+        "bwd_xfer": lambda: wait(exchange(kv, dkv)),
+        "bwd_kernel": bwd_kernel,
+        "bwd_both": overlapped(bwd_kernel, kv, dkv),
+    }
+    row = {"seqlen": seqlen, "breakdown": True, "bytes": kv.numel() * kv.element_size(),
+           "bwd_bytes": kv.numel() * kv.element_size() + dkv.numel() * dkv.element_size()}
+    for name, fn in steps.items():
         t = torch.tensor([_time(fn, iters, dist.barrier)], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = t.item()
-    return out
+        row[name] = t.item()
+    return row
 
 
 def _worker(rank: int, world: int, init_file: str, out_file: str,
@@ -151,8 +172,8 @@ def main() -> None:
                    help="SMs the forward leaves to NCCL during a transfer (default: the "
                         "module's _SM_MARGIN), for an A/B")
     p.add_argument("--breakdown", action="store_true",
-                   help="also time one non-causal ring step's K/V exchange and kernel, alone "
-                        "and together")
+                   help="also time one non-causal ring step's exchange and kernel, alone and "
+                        "together, forward and backward")
     args = p.parse_args()
     args.causal = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
 
@@ -192,14 +213,16 @@ def main() -> None:
     parts = [r for r in rows if "breakdown" in r]
     if parts:
         print()
-        print("One non-causal ring step (slowest rank): K/V exchange alone, kernel alone, both")
+        print("One non-causal ring step (slowest rank): the exchange alone, the kernel alone, "
+              "both (the backward's exchange also sends the fp32 dK/dV accumulators)")
         print()
-        print("| total seqlen | K/V MB | exchange ms | GB/s | kernel ms | both ms |")
-        print("|---|---|---|---|---|---|")
+        print("| total seqlen | pass | exchange MB | exchange ms | GB/s | kernel ms | both ms |")
+        print("|---|---|---|---|---|---|---|")
         for r in parts:
-            print(f"| {r['seqlen']} | {r['bytes'] / 1e6:.0f} | {r['xfer'] * 1e3:.2f} | "
-                  f"{r['bytes'] / r['xfer'] / 1e9:.0f} | {r['kernel'] * 1e3:.2f} | "
-                  f"{r['both'] * 1e3:.2f} |")
+            for what, pre, nbytes in (("fwd", "", r["bytes"]), ("bwd", "bwd_", r["bwd_bytes"])):
+                x, kern, both = r[pre + "xfer"], r[pre + "kernel"], r[pre + "both"]
+                print(f"| {r['seqlen']} | {what} | {nbytes / 1e6:.0f} | {x * 1e3:.2f} | "
+                      f"{nbytes / x / 1e9:.0f} | {kern * 1e3:.2f} | {both * 1e3:.2f} |")
 
 
 if __name__ == "__main__":
