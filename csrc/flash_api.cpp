@@ -295,9 +295,9 @@ std::vector<BadInputWord>& bad_input_words() {
 
 // The device pointer for a launch on `device` and `stream`, or nullptr (not recorded).
 unsigned long long* bad_input_word_for_launch(int device, cudaStream_t stream) {
+    if (device < 0) return nullptr;
     std::lock_guard<std::mutex> lock(bad_input_mutex());
     auto& words = bad_input_words();
-    if (device < 0) return nullptr;
     if (words.size() <= size_t(device)) words.resize(size_t(device) + 1);
     BadInputWord& w = words[size_t(device)];
     if (w.host != nullptr || w.failed) return w.device;

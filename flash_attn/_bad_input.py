@@ -12,10 +12,11 @@ thread), or :func:`check_bad_inputs` (which syncs first), raises. Nothing traps,
 context stays usable. ``FLASH_ATTN_BAD_INPUTS=warn`` turns the error into a ``RuntimeWarning``
 and ``=off`` stops reading the word (for a server where one request's bad input must not fail
 another's call). A launch inside a CUDA-graph capture before the word exists records nothing
-(allocating it would break the capture). ``FLASH_ATTN_CHECK_INPUTS=1`` still checks cu_seqlens and max_seqlen before each call,
-with a sync. While ``torch.compile`` traces, the word is not read; compiled code's bad values are
-raised by the next eager call or by :func:`check_bad_inputs`. Ring attention's entry points do
-not read it either: an error raised on one rank alone would leave the others waiting in the ring.
+(allocating it would break the capture). ``FLASH_ATTN_CHECK_INPUTS=1`` still checks cu_seqlens
+and max_seqlen before each call, with a sync. While ``torch.compile`` traces, the word is not
+read; compiled code's bad values are raised by the next eager call or by
+:func:`check_bad_inputs`. Ring attention's entry points do not read it either: an error raised
+on one rank alone would leave the others waiting in the ring.
 """
 
 from __future__ import annotations
@@ -90,6 +91,20 @@ def _word(index: int) -> Optional[ctypes.c_uint64]:
     return word
 
 
+def _pending(index: int) -> bool:
+    """Whether device ``index``'s word holds a record: a plain read of host memory."""
+    word = _word(index)
+    return word is not None and word.value != 0
+
+
+def take(index: int) -> int:
+    """Device ``index``'s recorded word, cleared in the same atomic exchange (the binding's
+    ``take_bad_input``), or 0: nothing recorded, no word yet, or another thread took it."""
+    from . import ops
+
+    return ops._EXT.take_bad_input(index) if _pending(index) else 0
+
+
 def raise_pending(device: torch.device) -> None:
     """Raise the bad input recorded on ``device`` (CUDA) since the last check, if any, and
     clear it (FLASH_ATTN_BAD_INPUTS=warn: warn instead; =off: nothing). No sync: a kernel still
@@ -100,13 +115,12 @@ def raise_pending(device: torch.device) -> None:
     if device.type != "cuda" or torch.compiler.is_compiling() or ops._EXT is None:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    word = _word(index)
-    if word is None or not word.value:
+    if not _pending(index):
         return
     mode = _mode()
     if mode == "off":
         return
-    value = ops._EXT.take_bad_input(index)  # atomic: another thread may have taken it
+    value = take(index)
     if not value:
         return
     if mode == "warn":

@@ -205,25 +205,24 @@ def test_noncontiguous_last_dim_works_or_raises(which):
 # cu_seqlens values: checked with FLASH_ATTN_CHECK_INPUTS=1, recorded by the kernels without it
 # ---------------------------------------------------------------------------------------------
 
-# name -> (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q (100, h, d), k/v (120, hk, d),
-# and what the kernels record without the checks: (argument, index, value) as the message says.
+# name -> ((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for q (100, h, d) and
+# k/v (120, hk, d), what the kernels record without the checks: (argument, index, value) as the
+# message says).
 BAD_CU_SEQLENS = {
-    "q_last_too_large": ([0, 30, 60, 600], [0, 40, 80, 120], 540, 40),
-    "k_last_too_large": ([0, 30, 60, 100], [0, 40, 80, 4000], 40, 3920),
-    "q_non_monotonic": ([0, 70, 30, 100], [0, 40, 80, 120], 70, 40),
-    "max_seqlen_q_too_small": ([0, 30, 60, 100], [0, 40, 80, 120], 10, 40),
-    "q_not_from_0": ([5, 30, 60, 100], [0, 40, 80, 120], 40, 40),
-    "k_negative": ([0, 30, 60, 100], [0, -40, 80, 120], 40, 80),
-    "max_seqlen_k_too_small": ([0, 30, 60, 100], [0, 40, 80, 120], 40, 20),
-}
-RECORDED = {
-    "q_last_too_large": ("cu_seqlens_q", "entry 3", "value 600"),
-    "k_last_too_large": ("cu_seqlens_k", "entry 3", "value 4000"),
-    "q_non_monotonic": ("cu_seqlens_q", "entry 2", "value 30"),
-    "max_seqlen_q_too_small": ("max_seqlen_q", "index ", "value "),
-    "q_not_from_0": ("cu_seqlens_q", "entry 0", "value 5"),
-    "k_negative": ("cu_seqlens_k", "entry 1", "value -40"),
-    "max_seqlen_k_too_small": ("max_seqlen_k", "index ", "value "),
+    "q_last_too_large": (([0, 30, 60, 600], [0, 40, 80, 120], 540, 40),
+                         ("cu_seqlens_q", "entry 3", "value 600")),
+    "k_last_too_large": (([0, 30, 60, 100], [0, 40, 80, 4000], 40, 3920),
+                         ("cu_seqlens_k", "entry 3", "value 4000")),
+    "q_non_monotonic": (([0, 70, 30, 100], [0, 40, 80, 120], 70, 40),
+                        ("cu_seqlens_q", "entry 2", "value 30")),
+    "max_seqlen_q_too_small": (([0, 30, 60, 100], [0, 40, 80, 120], 10, 40),
+                               ("max_seqlen_q", "index ", "value ")),
+    "q_not_from_0": (([5, 30, 60, 100], [0, 40, 80, 120], 40, 40),
+                     ("cu_seqlens_q", "entry 0", "value 5")),
+    "k_negative": (([0, 30, 60, 100], [0, -40, 80, 120], 40, 80),
+                   ("cu_seqlens_k", "entry 1", "value -40")),
+    "max_seqlen_k_too_small": (([0, 30, 60, 100], [0, 40, 80, 120], 40, 20),
+                               ("max_seqlen_k", "index ", "value ")),
 }
 
 # The end of each case in the subprocess scripts (at their loop's indentation): what
@@ -244,9 +243,14 @@ print("ALL_DONE", flush=True)
 """
 
 
-def _assert_recorded(results, expected) -> None:
+def _inputs(cases):
+    """The cases' inputs, as the subprocess scripts take them (JSON)."""
+    return json.dumps({name: inputs for name, (inputs, _) in cases.items()})
+
+
+def _assert_recorded(results, cases) -> None:
     """Each case returned, and check_bad_inputs() then raised naming (argument, index, value)."""
-    for name, (arg, index, value) in expected.items():
+    for name, (_, (arg, index, value)) in cases.items():
         before, _, recorded = results[name].partition(" || ")
         assert before == "returned", f"{name}: {before}"
         assert recorded.startswith("ValueError: flash_attn: " + arg), f"{name}: {recorded}"
@@ -301,7 +305,7 @@ def _run_script(script: str, *args: str, **env_extra: str):
 
 
 def _run_cases(check_inputs: bool):
-    return _run_script(_SUBPROCESS_SCRIPT, json.dumps(BAD_CU_SEQLENS),
+    return _run_script(_SUBPROCESS_SCRIPT, _inputs(BAD_CU_SEQLENS),
                        FLASH_ATTN_CHECK_INPUTS="1" if check_inputs else "0")
 
 
@@ -325,7 +329,7 @@ def test_bad_cu_seqlens_without_checks_are_recorded():
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
     assert set(results) == set(BAD_CU_SEQLENS), log
-    _assert_recorded(results, RECORDED)
+    _assert_recorded(results, BAD_CU_SEQLENS)
     assert_cuda_usable()
 
 
@@ -333,26 +337,22 @@ def test_bad_cu_seqlens_without_checks_are_recorded():
 # returns, then check_bad_inputs() must name (argument, index, value). q (2, 1, 4, 64); caches
 # (2, 256, 2, 64), or paged: 8 pages of 64 rows, 2 table columns per sequence (128 keys).
 KVCACHE_CASES = {
-    "batch_idx_too_large": dict(seqlens=[5, 9], batch_idx=[0, 7]),
-    "batch_idx_negative": dict(seqlens=[5, 9], batch_idx=[-1, 0]),
-    "seqlens_past_capacity": dict(seqlens=[5, 5000]),
-    "seqlens_negative": dict(seqlens=[-3, 5]),
-    "append_overflows": dict(seqlens=[250, 5], new=10),
-    "leftpad_past_seqlens": dict(seqlens=[5, 9], leftpad=[10, 0]),
-    "block_table_too_large": dict(seqlens=[70, 9], table=[[0, 99], [2, 3]]),
-    "block_table_negative": dict(seqlens=[5, 9], table=[[-2, 1], [2, 3]]),
-    "seqlens_past_pages": dict(seqlens=[5, 300], table=[[0, 1], [2, 3]]),
-}
-KVCACHE_RECORDED = {
-    "batch_idx_too_large": ("cache_batch_idx", "index 1", "value 7"),
-    "batch_idx_negative": ("cache_batch_idx", "index 0", "value -1"),
-    "seqlens_past_capacity": ("cache_seqlens", "index 1", "value 5000"),
-    "seqlens_negative": ("cache_seqlens", "index 0", "value -3"),
-    "append_overflows": ("cache_seqlens", "index 0", "value 250"),
-    "leftpad_past_seqlens": ("cache_leftpad", "index 0", "value 10"),
-    "block_table_too_large": ("block_table", "offset 1 ", "value 99"),
-    "block_table_negative": ("block_table", "offset 0 ", "value -2"),
-    "seqlens_past_pages": ("cache_seqlens", "index 1", "value 300"),
+    "batch_idx_too_large": (dict(seqlens=[5, 9], batch_idx=[0, 7]),
+                            ("cache_batch_idx", "index 1", "value 7")),
+    "batch_idx_negative": (dict(seqlens=[5, 9], batch_idx=[-1, 0]),
+                           ("cache_batch_idx", "index 0", "value -1")),
+    "seqlens_past_capacity": (dict(seqlens=[5, 5000]), ("cache_seqlens", "index 1", "value 5000")),
+    "seqlens_negative": (dict(seqlens=[-3, 5]), ("cache_seqlens", "index 0", "value -3")),
+    "append_overflows": (dict(seqlens=[250, 5], new=10),
+                         ("cache_seqlens", "index 0", "value 250")),
+    "leftpad_past_seqlens": (dict(seqlens=[5, 9], leftpad=[10, 0]),
+                             ("cache_leftpad", "index 0", "value 10")),
+    "block_table_too_large": (dict(seqlens=[70, 9], table=[[0, 99], [2, 3]]),
+                              ("block_table", "offset 1 ", "value 99")),
+    "block_table_negative": (dict(seqlens=[5, 9], table=[[-2, 1], [2, 3]]),
+                             ("block_table", "offset 0 ", "value -2")),
+    "seqlens_past_pages": (dict(seqlens=[5, 300], table=[[0, 1], [2, 3]]),
+                           ("cache_seqlens", "index 1", "value 300")),
 }
 
 _KVCACHE_SCRIPT = textwrap.dedent(
@@ -392,11 +392,11 @@ def test_bad_kvcache_values_are_recorded():
     append that overflows), cache_leftpad and block_table entries: the call returns, then
     check_bad_inputs() raises a ValueError naming the argument, the batch index and the value,
     and a good call works afterwards."""
-    proc, results, log = _run_script(_KVCACHE_SCRIPT, json.dumps(KVCACHE_CASES),
+    proc, results, log = _run_script(_KVCACHE_SCRIPT, _inputs(KVCACHE_CASES),
                                      FLASH_ATTN_CHECK_INPUTS="0")
     assert proc.returncode == 0 and "ALL_DONE" in proc.stdout, (
         f"crashed after cases {list(results)} (next: a CUDA error?)\n{log}")
-    _assert_recorded(results, KVCACHE_RECORDED)
+    _assert_recorded(results, KVCACHE_CASES)
     assert_cuda_usable()
 
 

@@ -6,8 +6,8 @@
 // device sync (flash_attn/_bad_input.py decodes it and raises a ValueError).
 //
 // Layout: bits 56-63 the BadInput code, bits 32-55 the index (batch entry, the cu_seqlens
-// index, or a block_table entry's element offset), bits 0-31 the value as given. One plain 64-bit store: when several threads or
-// launches find bad values, one of them is kept whole.
+// index, or a block_table entry's element offset), bits 0-31 the value as given. One plain
+// 64-bit store: when several threads or launches find bad values, one of them is kept whole.
 #pragma once
 
 #include <cstdint>

@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
             const index_t first = first_row(b);
             const int end =
                 int(min(max(first + p.seqlen_new, index_t(0)), index_t(p.seqlen_cache)));
-            if (p.cache_seqlens != nullptr && (first < 0 || first + p.seqlen_new > p.seqlen_cache)) {
+            const bool fits = first >= 0 && first + p.seqlen_new <= p.seqlen_cache;
+            if (p.cache_seqlens != nullptr && !fits) {
                 report_bad_input(p.bad_input, BadInput::kCacheSeqlens, b, p.cache_seqlens[b]);
             }
             int pad = 0;

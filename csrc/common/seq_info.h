@@ -31,10 +31,11 @@ struct SeqInfo {
         }
         if (p.is_varlen()) {
             // Entry 0 must be 0, and entry b + 1 at least entry b and at most the row count.
-            const int q0 = bounded_start(p, p.cu_seqlens_q, bidb, p.total_q, BadInput::kCuSeqlensQ);
-            const int q1 = bounded_end(p, p.cu_seqlens_q, bidb, q0, p.total_q, BadInput::kCuSeqlensQ);
-            const int k0 = bounded_start(p, p.cu_seqlens_k, bidb, p.total_k, BadInput::kCuSeqlensK);
-            const int k1 = bounded_end(p, p.cu_seqlens_k, bidb, k0, p.total_k, BadInput::kCuSeqlensK);
+            constexpr BadInput kQ = BadInput::kCuSeqlensQ, kK = BadInput::kCuSeqlensK;
+            const int q0 = bounded_start(p, p.cu_seqlens_q, bidb, p.total_q, kQ);
+            const int q1 = bounded_end(p, p.cu_seqlens_q, bidb, q0, p.total_q, kQ);
+            const int k0 = bounded_start(p, p.cu_seqlens_k, bidb, p.total_k, kK);
+            const int k1 = bounded_end(p, p.cu_seqlens_k, bidb, k0, p.total_k, kK);
             row_q = q0;
             row_k = p.block_table == nullptr ? k0 : 0;  // paged: the table finds the rows
             seqlen_q = q1 - q0;
