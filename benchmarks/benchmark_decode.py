@@ -10,7 +10,7 @@ attends to the first seqlen_k rows (default settings), with cache_seqlens an int
 tensor, and with cache_batch_idx selecting the batch's entries (every other one, in reverse) of
 a cache of 2 x batch entries: read in place, and, for comparison, gathered into a copy first
 (`k_cache[idx]`, what a kernel without a batch index needs); and on a paged cache (pages of
-256 rows in shuffled order, block_table).
+--pages rows, default 256, in shuffled order, block_table).
 
 Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16, causal
 (bottom-right aligned, as in decoding). Each call is captured once in a CUDA graph and the
@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--seqlens-k", default="4096,16384", help="comma list (default 4096,16384)")
     p.add_argument("--heads", default="32:8,32:4,64:8",
                    help="comma list of nheads:nheads_k (default 32:8,32:4,64:8)")
+    p.add_argument("--pages", default="256",
+                   help="comma list of page sizes for the paged cache's columns (default 256)")
     p.add_argument("--warmup", type=float, default=25.0, help="ms")
     p.add_argument("--rep", type=float, default=100.0, help="ms")
     return p.parse_args(argv)
@@ -70,14 +72,16 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     flash_attn = import_flash_attn()
+    pages = [int(x) for x in args.pages.split(",")]
     timer_name, timer = make_timer()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
           f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
           "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us "
           "| with_kvcache, lengths tensor us | with_kvcache, cache_batch_idx us "
-          "| gathered copy us | with_kvcache, paged us | SDPA us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| gathered copy us | "
+          + "".join(f"with_kvcache, pages of {page} us | " for page in pages) + "SDPA us |")
+    print("|---" * (14 + len(pages)) + "|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
     torch.manual_seed(0)
@@ -124,21 +128,22 @@ def main(argv=None) -> int:
                             q, k_cache[idx], v_cache[idx], k_new, v_new, cache_seqlens=lens,
                             causal=True), timer, args)
                     del k_cache, v_cache
-                    page = 256
-                    blocks = args.batch * 2 * sk // page
-                    table = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(
-                        args.batch, 2 * sk // page)
-                    k_pages = torch.zeros(blocks, page, hk, args.hdim, device="cuda", dtype=dt)
-                    v_pages = torch.zeros_like(k_pages)
-                    k_pages[table.long()] = torch.cat(
-                        [k, torch.zeros_like(k)], 1).unflatten(1, (-1, page))
-                    v_pages[table.long()] = torch.cat(
-                        [v, torch.zeros_like(v)], 1).unflatten(1, (-1, page))
-                    us["kvcache_paged"] = 1e3 * graphed_ms(
-                        lambda: flash_attn.flash_attn_with_kvcache(
-                            q, k_pages, v_pages, k_new, v_new, cache_seqlens=lens,
-                            block_table=table, causal=True), timer, args)
-                    del k_pages, v_pages
+                    for page in pages:
+                        blocks = args.batch * 2 * sk // page
+                        table = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(
+                            args.batch, 2 * sk // page)
+                        k_pages = torch.zeros(blocks, page, hk, args.hdim, device="cuda",
+                                              dtype=dt)
+                        v_pages = torch.zeros_like(k_pages)
+                        k_pages[table.long()] = torch.cat(
+                            [k, torch.zeros_like(k)], 1).unflatten(1, (-1, page))
+                        v_pages[table.long()] = torch.cat(
+                            [v, torch.zeros_like(v)], 1).unflatten(1, (-1, page))
+                        us[f"paged{page}"] = 1e3 * graphed_ms(
+                            lambda: flash_attn.flash_attn_with_kvcache(
+                                q, k_pages, v_pages, k_new, v_new, cache_seqlens=lens,
+                                block_table=table, causal=True), timer, args)
+                        del k_pages, v_pages
                     qt = q.transpose(1, 2)
                     kt = k.transpose(1, 2).repeat_interleave(h // hk, dim=1)
                     vt = v.transpose(1, 2).repeat_interleave(h // hk, dim=1)
@@ -153,8 +158,9 @@ def main(argv=None) -> int:
                       f"{us['unsplit'] / us['1']:.2f} | "
                       f"{kv_bytes / (us['1'] * 1e-6) / 1e9:.0f} | {us['kvcache']:.1f} | "
                       f"{us['kvcache_t']:.1f} | {us['kvcache_idx']:.1f} | "
-                      f"{us['kvcache_gather']:.1f} | {us['kvcache_paged']:.1f} | "
-                      f"{us['sdpa']:.1f} |", flush=True)
+                      f"{us['kvcache_gather']:.1f} | "
+                      + "".join(f"{us[f'paged{page}']:.1f} | " for page in pages)
+                      + f"{us['sdpa']:.1f} |", flush=True)
     return 0
 
 

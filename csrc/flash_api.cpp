@@ -164,7 +164,7 @@ void check_batch_ints(const std::optional<at::Tensor>& t, const char* name, int6
 }
 
 // A paged K/V `k` (num_pages >= 1, page_size, nheads_k, d) and its block_table (batch,
-// max_num_blocks_per_seq >= 1), last dim contiguous; pages of a positive multiple of 64 rows.
+// max_num_blocks_per_seq >= 1), last dim contiguous; pages of any size >= 1.
 // Returns the keys a sequence can hold.
 int64_t check_block_table(const at::Tensor& bt, int64_t batch, const at::Tensor& k,
                           const at::Tensor& q) {
@@ -172,9 +172,9 @@ int64_t check_block_table(const at::Tensor& bt, int64_t batch, const at::Tensor&
                  bt.size(1) > 0 && bt.stride(1) == 1 && bt.device() == q.device(),
              "flash_attn: block_table must be an int32 tensor of shape (batch, "
              "max_num_blocks_per_seq) on q's device with a contiguous last dim");
-    FA_CHECK(k.size(0) > 0 && k.size(1) >= 64 && k.size(1) % 64 == 0,
-             "flash_attn: a paged K/V needs at least one page of a multiple of 64 rows, got a "
-             "cache of shape ", k.sizes());
+    FA_CHECK(k.size(0) > 0 && k.size(1) > 0,
+             "flash_attn: a paged K/V needs at least one page of at least one row, got a cache "
+             "of shape ", k.sizes());
     return bt.size(1) * k.size(1);
 }
 
@@ -222,8 +222,8 @@ Problem describe(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     FA_CHECK(pb.nheads > 0 && pb.nheads_k > 0 && pb.nheads % pb.nheads_k == 0,
              "flash_attn: nheads (", pb.nheads, ") must be a multiple of nheads_k (", pb.nheads_k,
              ")");
-    // A paged K/V: pages of a multiple of 64 rows, a table row per sequence; returns the keys
-    // a sequence can hold.
+    // A paged K/V: pages of any size, a table row per sequence; returns the keys a sequence
+    // can hold.
     auto check_pages = [&]() -> int64_t {
         FA_CHECK(!kv_batch_idx.has_value(),
                  "flash_attn: kv_batch_idx and block_table cannot be used together");
@@ -459,20 +459,22 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
                  "(nheads,) on q's device");
     }
     if (leftpad_k.has_value()) {
-        FA_CHECK(!pb.varlen && pb.page_size == 0 && seqused_k.has_value(),
-                 "flash_attn: leftpad_k is for batched, unpaged K/V with seqused_k (not with "
-                 "cu_seqlens or block_table)");
+        FA_CHECK(!pb.varlen && seqused_k.has_value(),
+                 "flash_attn: leftpad_k is for batched K/V with seqused_k (not with "
+                 "cu_seqlens)");
         check_batch_ints(leftpad_k, "leftpad_k", pb.batch, q_in);
     }
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
-    // block_n); other page sizes run on the SM80 kernels (key blocks of 64), and so does dropout,
-    // which only they draw.
+    // block_n) by TMA; other page sizes, and a left pad with pages (which moves the blocks off
+    // the page boundaries), run on the SM80 kernels, which gather a paged block row by row. So
+    // does dropout, which only they draw.
     const int tier = flash::headdim_tier(int(pb.headdim));
     const bool sm90_ok =
         dropout_p <= 0.0 &&
-        (pb.page_size == 0 || pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0);
+        (pb.page_size == 0 || (pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0 &&
+                               !leftpad_k.has_value()));
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 

@@ -721,9 +721,8 @@ def _check_cache_index(fn: str, name: str, x, q: Tensor, batch: int) -> None:
 
 def _check_block_table(fn: str, block_table, q: Tensor, batch: int, k_name: str, k) -> int:
     """block_table int32 (batch, max_num_blocks_per_seq >= 1) on q's device over a paged k
-    (num_blocks >= 1, page_block_size >= 1, nheads_k, headdim); on CUDA page_block_size a
-    multiple of 64 until the kernels take other pages (NotImplementedError). Returns the keys
-    a sequence can hold: the table's width times the page."""
+    (num_blocks >= 1, page_block_size >= 1, nheads_k, headdim). Returns the keys a sequence
+    can hold: the table's width times the page."""
     _check_tensor(fn, "block_table", block_table)
     _check_same_device(fn, "q", q, "block_table", block_table)
     if block_table.dtype != torch.int32:
@@ -742,11 +741,6 @@ def _check_block_table(fn: str, block_table, q: Tensor, batch: int, k_name: str,
         raise ValueError(
             f"{fn}: a paged {k_name} must have shape (num_blocks >= 1, page_block_size >= 1, "
             f"nheads_k, headdim), got {tuple(k.shape)}"
-        )
-    if page % 64 != 0 and k.device.type == "cuda":
-        raise NotImplementedError(
-            f"{fn}: on CUDA a paged {k_name} needs page_block_size a multiple of 64 for now, "
-            f"got {page}; the CPU reference takes any page size"
         )
     return block_table.shape[1] * page
 
@@ -860,12 +854,6 @@ def validate_kvcache(
         _check_cache_index(fn, "cache_batch_idx", cache_batch_idx, q, batch)
     if cache_leftpad is not None:
         _check_cache_index(fn, "cache_leftpad", cache_leftpad, q, batch)
-        if block_table is not None and device_type == "cuda":
-            raise NotImplementedError(
-                f"{fn}: cache_leftpad with a paged cache (block_table) is not implemented on "
-                f"CUDA yet (the CPU reference takes it); leave the unused rows at the end of "
-                f"each sequence's pages, or pass a contiguous cache"
-            )
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together (or both None)")

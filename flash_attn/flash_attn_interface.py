@@ -570,8 +570,8 @@ flash_attn_varlen_func.__doc__ = (
     + """
         block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Key
             row r of sequence b is row r % page_block_size of page block_table[b, r //
-            page_block_size] of k and v; page_block_size as in flash_attn_with_kvcache (on
-            CUDA a multiple of 64 for now). Forward only (a backward raises
+            page_block_size] of k and v; page_block_size as in flash_attn_with_kvcache (any
+            size >= 1). Forward only (a backward raises
             NotImplementedError), without return_attn_probs."""
     + _SINK_ARGS_DOC
     + _FP8_ARGS_DOC
@@ -699,18 +699,17 @@ flash_attn_with_kvcache.__doc__ = """
         cache_leftpad [optional]: (batch_size,), dtype torch.int32. The index that the KV
             cache starts: sequence b's keys are its cache rows [cache_leftpad[b],
             cache_seqlens[b] + seqlen_new). If None, assume 0. New rows are still written at
-            cache_seqlens, and rotary positions are cache rows (as in FlashAttention-2). With
-            block_table on CPU only for now (CUDA: NotImplementedError). Values outside
+            cache_seqlens, and rotary positions are cache rows (as in FlashAttention-2). Works
+            with block_table too (row cache_leftpad[b] of the sequence's pages). Values outside
             [0, cache_seqlens] are refused on CPU and on CUDA with FLASH_ATTN_CHECK_INPUTS=1;
             otherwise clamped, and raised by the next call (flash_attn.check_bad_inputs).
         block_table [optional]: (batch_size, max_num_blocks_per_seq), dtype torch.int32. Row
             r of sequence b is row r % page_block_size of page block_table[b, r //
             page_block_size]; the cache's length is max_num_blocks_per_seq * page_block_size.
-            Not with cache_batch_idx. Pages are read in place; on CUDA page_block_size must
-            be a multiple of 64 for now (other sizes: NotImplementedError; the CPU reference
-            takes any size >= 1), on the Hopper kernels where it is a multiple of their key
-            block (128 for headdim <= 128, 96 to 192, 80 to 256), else on the SM80
-            kernels.""" + _SCORE_ARGS_DOC + """
+            Not with cache_batch_idx. Pages of any size >= 1 are read in place: on the Hopper
+            kernels where the page is a multiple of their key block (128 for headdim <= 128,
+            96 to 192, 80 to 256) and cache_leftpad is not given, else on the SM80 kernels,
+            which gather a key block row by row.""" + _SCORE_ARGS_DOC + """
         rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +

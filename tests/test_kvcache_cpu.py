@@ -621,18 +621,19 @@ def test_cache_leftpad_with_block_table(page, sn):
     torch.testing.assert_close(lse, lse_ref, **TOL)
 
 
-def test_cuda_page_size_limit_named():
-    """On CUDA, pages that are not a multiple of 64 raise NotImplementedError naming the limit
-    (the page check reads only k's shape and device, so a stand-in for a CUDA k suffices)."""
+def test_cuda_takes_any_page_size():
+    """A CUDA paged cache may have pages of any size >= 1 (the SM80 kernels gather a key block
+    row by row); the check reads only k's shape and device, so a stand-in for a CUDA k
+    suffices."""
     from flash_attn import _validation as V
 
     class PagedCudaK:
         shape = (3, 16, 2, 16)
         device = torch.device("cuda", 0)
 
-    table = torch.zeros(2, 1, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="multiple of 64 for now, got 16"):
-        V._check_block_table(FN, table, torch.zeros(2, 1, 4, 16), 2, "k_cache", PagedCudaK())
+    table = torch.zeros(2, 5, dtype=torch.int32)
+    assert V._check_block_table(FN, table, torch.zeros(2, 1, 4, 16), 2, "k_cache",
+                                PagedCudaK()) == 5 * 16
 
 
 def varlen_paged(lens, page, hk, d, spare=1):

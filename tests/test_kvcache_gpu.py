@@ -387,6 +387,39 @@ def test_paged_cache(pack, case, d, page, monkeypatch):
     check_against_cpu(q, k_pages, v_pages, **kw)
 
 
+@pytest.mark.parametrize("page", [1, 16, 48, 64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", ["decode_split", "prefill_rotary", "leftpad"])
+def test_paged_cache_any_page_size(case, d, page, monkeypatch):
+    """Pages of any size (shuffled, unused pages NaN), read in place by the SM80 kernels' row
+    gather where the page does not hold whole key blocks of the Hopper kernels, and with
+    cache_leftpad (which always takes the gather). decode_split: one new row over 640 cached
+    keys (the keys split over SMs); prefill_rotary: a causal chunk of 40 rows written across
+    page boundaries, rotated; leftpad: the chunk after pads of 0, an unaligned offset and a
+    whole page or more."""
+    monkeypatch.delenv("FLASH_ATTN_SPLIT", raising=False)
+    torch.manual_seed(14 + page)
+    dt, h, hk = torch.bfloat16, 8, 2
+    pads, kw = None, {}
+    if case == "decode_split":
+        b, sq, sn, sc, lens = 2, 1, 1, 768, [640, 301]
+    else:
+        b, sq, sn, sc, lens = 3, 40, 40, 384, [0, 217, 300]
+        if case == "leftpad":
+            pads = [0, 13, min(page + 5, 217)]
+            kw.update(cache_leftpad=torch.tensor(pads, dtype=torch.int32, device="cuda"))
+        else:
+            kw.update(rotary_kwargs("neox", sc, d, dt))
+    sc = -(-sc // page) * page
+    q, k_cache, v_cache, k, v = make_inputs(dt, d, b, sq, sn, sc, h, hk, lens, leftpad=pads)
+    perm = torch.randperm(b * sc // page + 2).tolist()
+    k_pages, table = paged(k_cache, page, perm)
+    v_pages, _ = paged(v_cache, page, perm)
+    kw.update(k=k, v=v, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+              causal=True, block_table=table)
+    check_against_cpu(q, k_pages, v_pages, **kw)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", ["decode_split", "prefill_rotary", "window", "whole_cache",
                                   "batch_idx"])

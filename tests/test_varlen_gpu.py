@@ -370,8 +370,8 @@ def to_pages(x: torch.Tensor, lengths: Sequence[int], page: int, perm: List[int]
 
 
 @pytest.mark.parametrize("pack", ["default", "unpacked"])
-@pytest.mark.parametrize("d,page", [(64, 64), (64, 128), (128, 128), (128, 256), (256, 256),
-                                    (256, 320)])
+@pytest.mark.parametrize("d,page", [(64, 16), (64, 64), (64, 128), (128, 1), (128, 48),
+                                    (128, 128), (128, 256), (256, 256), (256, 320)])
 @pytest.mark.parametrize("lens", ["mixed", "long"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_paged(causal, lens, d, page, pack, monkeypatch):

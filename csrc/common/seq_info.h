@@ -77,13 +77,15 @@ struct SeqInfo {
                                 int head) const {
         return offset(s, p, bidb, row_q, row, head);
     }
+    // Paged: the head's offset in page 0 (page_offset finds the rows, the left pad included).
     __device__ index_t k_offset(const TensorStrides& s, const AttnShape& p, int row,
                                 int head) const {
-        return offset(s, p, bidb_k, row_k, k_first + row, head);
+        return offset(s, p, bidb_k, row_k, (pages == nullptr ? k_first : 0) + row, head);
     }
 
-    // Paged K/V: the page holding key row `row`, and the row within it. A bad entry is
-    // recorded with its element offset in the table (no division in the load path).
+    // Paged K/V: the page holding row `row` of the sequence's pages (leftpad not applied), and
+    // the row within it. A bad entry is recorded with its element offset in the table (no
+    // division in the load path).
     __device__ int page(const AttnShape& p, int row) const {
         const int entry = row / p.page_size;
         const int given = pages[entry];
@@ -94,8 +96,10 @@ struct SeqInfo {
         }
         return page;
     }
-    // Paged K/V: element offset of key row `row` from its head's in page 0.
-    __device__ index_t page_offset(const TensorStrides& s, const AttnShape& p, int row) const {
+    // Paged K/V: element offset of key `key` (row k_first + key of the sequence's pages) from
+    // its head's in page 0.
+    __device__ index_t page_offset(const TensorStrides& s, const AttnShape& p, int key) const {
+        const int row = k_first + key;
         return index_t(page(p, row)) * s.batch + index_t(row % p.page_size) * s.row;
     }
 

@@ -38,9 +38,10 @@ struct Sm80Fwd {
     static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0);
 };
 
-// kExtras (ALiBi or dropout): its own instantiation, so the kernels without them keep their code
-// and registers.
-template <class T, int kHeadDim, bool kExtras>
+// kExtras (ALiBi or dropout) and kPaged (K/V in pages, block_table): their own instantiations,
+// so the kernels without them keep their code and registers (a paged K/V's row gather took 74
+// more bytes of spills in the plain d=128 kernel, and 254 in the extras one).
+template <class T, int kHeadDim, bool kExtras, bool kPaged>
 __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     flash_fwd_sm80_kernel(const __grid_constant__ FwdParams p) {
     using K = Sm80Fwd<T, kHeadDim>;
@@ -100,18 +101,37 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
     Tensor tVgV = gthr.partition_S(gV);
     Tensor tVsV = gthr.partition_D(sV);
     Tensor tKVc = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
-    // Key block n of K (or V, from its tiles, head base and strides) into shared memory. A
-    // paged block lies in one page (page_size % kBlockN == 0): its rows start at the page's.
+    // Key block n of K (or V, from its tiles, head base and strides) into shared memory. Paged:
+    // each row from its own page, so pages of any size and a left pad work alike (a separate
+    // path for blocks that lie in one page cost the paged kernel 36-120 more bytes of spills).
     auto load_block = [&](auto const& tXgX, const T* head_base, TensorStrides const& s,
                           auto& tXsX, int n) {
         const int valid = seq.seqlen_k - n * kBlockN;
-        if (seq.pages == nullptr) {
+        if constexpr (!kPaged) {
             load_tile<kBlockN, kHeadDim>(gload, tXgX(_, _, _, n), tXsX, tKVc, valid, p.headdim);
         } else {
-            Tensor g = make_tensor(make_gmem_ptr(head_base + seq.page_offset(s, p, n * kBlockN)),
-                                   Shape<BN, D>{}, make_stride(s.row, _1{}));
-            load_tile<kBlockN, kHeadDim>(gload, gthr.partition_S(g), tXsX, tKVc, valid,
-                                         p.headdim);
+            // The block as if its rows were contiguous from page 0, each row then moved to its
+            // page: only rows inside the sequence read the table.
+            Tensor g = make_tensor(make_gmem_ptr(head_base), Shape<BN, D>{},
+                                   make_stride(s.row, _1{}));
+            Tensor tXgX_rows = gthr.partition_S(g);
+            CUTE_UNROLL
+            for (int m = 0; m < size<1>(tXsX); ++m) {
+                const int row = get<0>(tKVc(0, m, 0));
+                const bool row_ok = row < valid;
+                const index_t shift =
+                    row_ok ? seq.page_offset(s, p, n * kBlockN + row) - index_t(row) * s.row : 0;
+                CUTE_UNROLL
+                for (int k = 0; k < size<2>(tXsX); ++k) {
+                    if (row_ok && get<1>(tKVc(0, m, k)) < p.headdim) {
+                        Tensor src = make_tensor(tXgX_rows(_, m, k).data() + shift,
+                                                 tXgX_rows(_, m, k).layout());
+                        copy(gload, src, tXsX(_, m, k));
+                    } else {
+                        clear(tXsX(_, m, k));
+                    }
+                }
+            }
         }
     };
     auto load_keys = [&](int n) { load_block(tKgK, k_ptr, p.k_stride, tKsK, n); };
@@ -251,9 +271,12 @@ __global__ void __launch_bounds__(Sm80Fwd<T, kHeadDim>::kThreads, 1)
 template <class T, int kHeadDim>
 void run_fwd_sm80(FwdParams& p, cudaStream_t stream) {
     using K = Sm80Fwd<T, kHeadDim>;
-    auto kernel = p.alibi_slopes != nullptr || p.rng_state != nullptr
-                      ? flash_fwd_sm80_kernel<T, kHeadDim, true>
-                      : flash_fwd_sm80_kernel<T, kHeadDim, false>;
+    const bool extras = p.alibi_slopes != nullptr || p.rng_state != nullptr;
+    auto kernel = p.block_table == nullptr
+                      ? (extras ? flash_fwd_sm80_kernel<T, kHeadDim, true, false>
+                                : flash_fwd_sm80_kernel<T, kHeadDim, false, false>)
+                      : (extras ? flash_fwd_sm80_kernel<T, kHeadDim, true, true>
+                                : flash_fwd_sm80_kernel<T, kHeadDim, false, true>);
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }
