@@ -270,10 +270,15 @@ struct Sm90FwdMainloop {
         typename Traits::MmaQK mma_qk;
         typename Traits::MmaPV mma_pv;
         auto thr_qk = mma_qk.get_thread_slice(ctid);
-        auto thr_pv = mma_pv.get_thread_slice(ctid);
-        Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, 1, d/16)
-        Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, d/16, stages)
-        Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, block_n/16, stages)
+        // The shared-memory descriptors are one per warp group: from a slice whose index ptxas
+        // knows to be warp-uniform, they live in uniform registers instead of being rebuilt in
+        // vector registers before every WGMMA.
+        const int wg_thread0 = group * kWarpGroupThreads;
+        auto wg_qk = mma_qk.get_thread_slice(wg_thread0);
+        auto wg_pv = mma_pv.get_thread_slice(wg_thread0);
+        Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, 1, d/16)
+        Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, 1, d/16, stages)
+        Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, 1, block_n/16, stages)
 
         Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<BM, BN>{}));
         Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
