@@ -673,8 +673,7 @@ flash_attn_with_kvcache.__doc__ = """
         q: (batch_size, seqlen, nheads, headdim)
         k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), batch_size_cache >=
             batch_size without cache_batch_idx; or (num_blocks, page_block_size, nheads_k,
-            headdim) if there's a block_table (i.e. paged KV cache), page_block_size a multiple
-            of 64.
+            headdim) if there's a block_table (i.e. paged KV cache), page_block_size >= 1.
         v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim) or (num_blocks,
             page_block_size, nheads_k, headdim) if there's a block_table.
         k [optional]: (batch_size, seqlen_new, nheads_k, headdim). If not None, we concatenate

@@ -579,7 +579,7 @@ def test_paged_cache(sq, sn, rotary, page):
     """A paged cache (block_table; pages in shuffled order, one page unused) gives the results
     of the same cache held contiguously, and the append writes the same rows into the pages
     (across page boundaries with sn = 70). Pages of any size on the CPU reference (3 divides no
-    key block, 16 is vLLM's); the CUDA kernels take multiples of 64 for now."""
+    key block, 16 is vLLM's), as on CUDA."""
     torch.manual_seed(20 + page)
     b, sc = 2, 192
     q, k_cache, v_cache, k, v = make(b=b, sq=sq, sn=sn, sc=sc)

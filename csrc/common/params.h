@@ -38,15 +38,16 @@ struct AttnShape {
     // V, which then have batch_k entries (a KV cache indexed by cache_batch_idx).
     const int* kv_batch_idx = nullptr;
     int batch_k = 0;  // entries of K and V (batched); batch without kv_batch_idx
-    // Forward only, batched, not paged, with seqused_k: query batch b's keys are the
-    // seqused_k[b] rows from row leftpad_k[b] of its K/V entry (a left-padded KV cache;
-    // clamped so that they stay within seqlen_k). Only the loads see it: the kernels' masks
-    // and loops need no more than seqused_k.
+    // Forward only, batched, with seqused_k: query batch b's keys are the seqused_k[b] rows
+    // from row leftpad_k[b] of its K/V entry or pages (a left-padded KV cache; clamped so that
+    // they stay within seqlen_k). Only the loads see it: the kernels' masks and loops need no
+    // more than seqused_k. With pages only the SM80 kernels take it.
     const int* leftpad_k = nullptr;
     // Forward only, optional: paged K/V of shape (num_pages, page_size, nheads_k, d). Key row
     // r of batch b is row r % page_size of page block_table[b * block_table_stride +
     // r / page_size] (clamped into the pages); batched, seqlen_k is the table's width times
-    // page_size (varlen: cu_seqlens_k counts the keys), and page_size a multiple of the key
+    // page_size (varlen: cu_seqlens_k counts the keys). Any page_size >= 1 on the SM80
+    // kernels (a key block gathered row by row); the SM90 kernels take multiples of their key
     // block.
     const int* block_table = nullptr;
     index_t block_table_stride = 0;
