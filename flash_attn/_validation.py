@@ -7,7 +7,7 @@ given and what is expected:
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
 * ``NotImplementedError``: a valid combination this package does not implement (FP8 on CUDA, a
-  left-padded paged KV cache, a forced split count).
+  forced split count, return_attn_probs with a block_table).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on

@@ -83,9 +83,9 @@ struct SeqInfo {
         return offset(s, p, bidb_k, row_k, (pages == nullptr ? k_first : 0) + row, head);
     }
 
-    // Paged K/V: the page holding row `row` of the sequence's pages (leftpad not applied), and
-    // the row within it. A bad entry is recorded with its element offset in the table (no
-    // division in the load path).
+    // Paged K/V: the page holding row `row` of the sequence's pages (leftpad not applied). A bad
+    // entry is recorded by its element offset in the table, which needs no further arithmetic
+    // here (its batch row is offset / block_table_stride).
     __device__ int page(const AttnShape& p, int row) const {
         const int entry = row / p.page_size;
         const int given = pages[entry];
