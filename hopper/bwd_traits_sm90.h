@@ -22,10 +22,31 @@ struct DoOperand {};
 
 // The backward kernel's named barriers (0 is __syncthreads).
 enum class BwdBarrier : int {
-    kDsWritten = 1,  // every consumer thread wrote its part of dS: the dQ GEMM may read it
-    kDqFull = 2,     // the consumers wrote a tile's dQ into shared memory (and the dQ warp waits)
-    kDqEmpty = 3,    // the dQ warp's reduction has read it: the consumers may write the next
+    // Group g wrote its rows of dS^T into buffer b (id + 4 g + b): group g arrives, the other
+    // group syncs before its dQ GEMM reads the buffer. One way, so the groups never meet.
+    kDsFull = 2,
+    // Per consumer group g (ids + g), between that group and the dQ warp only, so that neither
+    // group waits for the other's dQ:
+    kDqFull = 10,   // the group wrote its part of a tile's dQ into shared memory
+    kDqEmpty = 12,  // the dQ warp's reduction has read that part: the group may write the next
+    // The groups take turns to issue their S^T and dP^T GEMMs (id + g: group g's turn), which
+    // keeps them half a step apart: one group's exp2 and dS^T work runs under the other's GEMMs.
+    kTurn = 14,
 };
+
+__forceinline__ __device__ BwdBarrier ds_full(int group, int buffer) {
+    return BwdBarrier(int(BwdBarrier::kDsFull) + 4 * group + buffer);
+}
+__forceinline__ __device__ BwdBarrier group_turn(int group) {
+    return BwdBarrier(int(BwdBarrier::kTurn) + group);
+}
+
+__forceinline__ __device__ BwdBarrier dq_full(int group) {
+    return BwdBarrier(int(BwdBarrier::kDqFull) + group);
+}
+__forceinline__ __device__ BwdBarrier dq_empty(int group) {
+    return BwdBarrier(int(BwdBarrier::kDqEmpty) + group);
+}
 
 // Warps of the producer warp group.
 enum class BwdProducerWarp : int {
@@ -95,12 +116,18 @@ struct Sm90BwdTraits {
     // K as the B operand of dQ, (d, block_n).
     using SmemLayoutKt =
         decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
-    // dS^T as the consumers write it (block_n, block_m, 2 buffers), and as dQ's A operand
-    // (block_m, block_n, 2). Two buffers: a group may write step m + 1's while the other still
-    // reads step m's in its dQ GEMM.
-    using SmemLayoutDs = decltype(tile_to_shape(SmemAtomDs{}, Shape<BN, BM, _2>{}));
+    // dS^T as the consumers write it (block_n, block_m, buffers), and as dQ's A operand
+    // (block_m, block_n, buffers). A group computes dQ of step m - 1 in step m, after it wrote
+    // dS^T(m); with four buffers it may write dS^T(m) once it knows the other group reached
+    // step m - 2, which has then finished dQ(m - 4) with buffer m % 4. The turns keep the
+    // groups closer than that, so three suffice (an exhaustive check of the barrier protocol,
+    // 2026-11-27): three where four do not fit (block_m 128, d <= 64).
+    static constexpr int kDsBuffers = kBlockM == 64 ? 4 : 3;
+    using SmemLayoutDs =
+        decltype(tile_to_shape(SmemAtomDs{}, Shape<BN, BM, Int<kDsBuffers>>{}));
     using SmemLayoutDsT = decltype(composition(
-        SmemLayoutDs{}, make_ordered_layout(Shape<BM, BN, _2>{}, Step<_2, _1, _3>{})));
+        SmemLayoutDs{},
+        make_ordered_layout(Shape<BM, BN, Int<kDsBuffers>>{}, Step<_2, _1, _3>{})));
     using StoreDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaSdP{}));
 
     // Global tensors as TMA sees them: (rows, d, heads, batch), as in the forward.
@@ -127,7 +154,8 @@ struct Sm90BwdTraits {
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> q;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutQ>> dout;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutDs>> ds;
-        // A tile's dQ, fp32, in the accumulator's order (Sm90BwdRows::dq_accum).
+        // A tile's dQ, fp32, in the accumulator's order (Sm90BwdRows::dq_accum): each consumer
+        // group's part contiguous.
         alignas(128) float dq[kBlockM * kHeadDim];
         // Per Q (dO) stage: the tile's log2-scaled LSE (rowsum(dO * O)), from the padded row
         // buffers of Sm90BwdRows.
@@ -138,6 +166,16 @@ struct Sm90BwdTraits {
         cutlass::arch::ClusterTransactionBarrier kv_full;
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+
+    // Where float4 j of consumer thread t's dQ fragment lives in a tile (shared memory and the
+    // accumulator alike): group by group, and within a group j-major, so that a warp's float4
+    // stores are contiguous (no bank conflicts) and each group's part is one bulk reduction.
+    static constexpr int kDqFloat4PerThread = kBlockM * kHeadDim / 4 / kConsumerThreads;
+    static constexpr int kDqGroupFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
+    static __device__ int dq_float4_index(int j, int t) {
+        return t / kWarpGroupThreads * (kDqFloat4PerThread * kWarpGroupThreads) +
+               j * kWarpGroupThreads + t % kWarpGroupThreads;
+    }
     static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");
 };
 
@@ -149,9 +187,9 @@ struct Sm90BwdTraits {
 // block_m * floor((cu_seqlens_q[b] + b * block_m) / block_m), past the end of sequence b - 1's
 // padded tiles.
 // dQ's fp32 accumulator uses the same rows, d floats each, in tiles of block_m rows whose
-// floats are stored in the consumer threads' fragment order (float4 j of thread t at 4 * (j *
-// threads + t)): each thread writes its fragment to shared memory without bank conflicts, and
-// the tile is added to the accumulator in one bulk reduction. Rows past a sequence's end get
+// floats are stored in the consumer threads' fragment order (Sm90BwdTraits::dq_float4_index):
+// each thread writes its fragment to shared memory without bank conflicts, and each consumer
+// group's part of the tile is added to the accumulator in one bulk reduction. Rows past a sequence's end get
 // exact zeros (their P is 0). The dQ kernel reads it back through the same fragment mapping.
 struct Sm90BwdRows {
     float* lse_log2 = nullptr;

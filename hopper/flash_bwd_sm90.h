@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
         rows.dq_accum + (rows.offset<kBlockM>(p, seq.row_q, bidb, bidh) + m0) * D::value);
     CUTE_UNROLL
     for (int j = 0; j < size(acc) / 4; ++j) {
-        const float4 v = src[j * Traits::kConsumerThreads + threadIdx.x];
+        const float4 v = src[Traits::dq_float4_index(j, threadIdx.x)];
         acc(4 * j) = v.x * p.softmax_scale;
         acc(4 * j + 1) = v.y * p.softmax_scale;
         acc(4 * j + 2) = v.z * p.softmax_scale;

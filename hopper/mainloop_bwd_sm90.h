@@ -4,7 +4,8 @@
 //   Consumers (a warp group per 64 key rows): S^T = K Q^T and dP^T = V dO^T, the score policy
 //   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q from registers, and
 //   dQ = dS K with dS from shared memory; each tile's dQ goes back to shared memory.
-//   dQ warp: adds each tile's dQ to the fp32 accumulator with one bulk reduction.
+//   dQ warp: adds each group's half of a tile's dQ to the fp32 accumulator with a bulk
+//   reduction.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -157,11 +158,11 @@ struct Sm90BwdMainloop {
         Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
         Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
         Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, 2)
+        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, buffers)
         Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
 
         auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
-        Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, 2)
+        Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, buffers)
 
         // This thread's (key, query) coordinates of the S^T tile, as a (rows, cols) view.
         Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
@@ -170,6 +171,31 @@ struct Sm90BwdMainloop {
 
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
+
+        const int group = consumer_group();
+        constexpr int kPairThreads = 2 * kWarpGroupThreads;  // a group's barrier with the other
+        auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
+
+        // dQ of query tile m = dS K, from both groups' rows of dS^T(m) (the other group's once
+        // it has signalled them), to shared memory for the dQ warp. Its wait for every GEMM
+        // issued also completes the calling step's dV and dK.
+        auto dq_step = [&](int m) {
+            barrier_sync(ds_full(1 - group, ds_buffer(m)), kPairThreads);
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
+            warpgroup_wait<0>();
+            barrier_sync(dq_empty(group), kDqSyncThreads);
+            float4* dq = reinterpret_cast<float4*>(ss.dq);
+            static_assert(decltype(size(acc_dq))::value / 4 == Traits::kDqFloat4PerThread);
+            CUTE_UNROLL
+            for (int j = 0; j < size(acc_dq) / 4; ++j) {
+                dq[Traits::dq_float4_index(j, ctid)] =
+                    make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
+                                acc_dq(4 * j + 3));
+            }
+            cutlass::arch::fence_view_async_shared();
+            barrier_arrive(dq_full(group), kDqSyncThreads);
+        };
 
         // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
         // GEMM is issued before dS^T is computed. With it, dS^T needs d tanh / d x = 1 - t^2 of
@@ -186,9 +212,11 @@ struct Sm90BwdMainloop {
             Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
 
             q_pipe.consumer_wait(q_state);
-            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
             do_pipe.consumer_wait(do_state);
+            barrier_sync(group_turn(group), kPairThreads);
+            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
             wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
+            barrier_arrive(group_turn(1 - group), kPairThreads);
             if constexpr (kSoftcap) {
                 warpgroup_wait<0>();
             } else {
@@ -239,45 +267,41 @@ struct Sm90BwdMainloop {
             Tensor rDs_a = make_tensor(rDs.data(), wgmma_acc_as_a_operand(rDs.layout()));
             wgmma_issue<false>(mma_kv, rDs_a, tKVrQt(_, _, _, q_stage), acc_dk);
 
-            // dS^T into this step's buffer for the dQ GEMM, which reads every group's rows. The
-            // barrier also tells each group that the others' dQ GEMMs of the step before last,
-            // which read this buffer, are done (each waits for its own before the next step).
-            const int ds_buf = (m - g.m_first) & 1;
-            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, ds_buf));
+            // This group's rows of dS^T(m) into the step's buffer, signalled to the other
+            // group, then dQ of the step before (whose dS^T the other group wrote half a step
+            // ago), so that neither group waits for the other here.
+            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs),
+                 tDssDs(_, _, _, ds_buffer(m)));
             cutlass::arch::fence_view_async_shared();
-            barrier_sync(BwdBarrier::kDsWritten, Traits::kConsumerThreads);
-            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
-            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buf), tDqrKt, acc_dq);
-            warpgroup_wait<0>();
+            barrier_arrive(ds_full(group, ds_buffer(m)), kPairThreads);
+            if (m > g.m_first) {
+                dq_step(m - 1);
+            } else {
+                warpgroup_wait<0>();
+            }
             q_pipe.consumer_release(q_state);
             do_pipe.consumer_release(do_state);
             ++q_state;
             ++do_state;
-
-            // dQ to shared memory in fragment order, for the dQ warp's bulk reduction.
-            barrier_sync(BwdBarrier::kDqEmpty, kDqSyncThreads);
-            float4* dq = reinterpret_cast<float4*>(ss.dq);
-            CUTE_UNROLL
-            for (int j = 0; j < size(acc_dq) / 4; ++j) {
-                dq[j * Traits::kConsumerThreads + ctid] =
-                    make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
-                                acc_dq(4 * j + 3));
-            }
-            cutlass::arch::fence_view_async_shared();
-            barrier_arrive(BwdBarrier::kDqFull, kDqSyncThreads);
         };
 
         ss.kv_full.wait(0);
+        // Group 0 takes the first turn.
+        if (group == 1) barrier_arrive(group_turn(0), kPairThreads);
         if (p.softcap > 0.f) {
             for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
         } else {
             for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
         }
+        dq_step(g.m_last - 1);
+        // The turn that the last step handed over is taken, so both turn barriers end clear.
+        if (group == 0) barrier_sync(group_turn(0), kPairThreads);
     }
 
-    // The consumers and the dQ warp meet at the dQ buffer's barriers.
-    static constexpr int kDqSyncThreads = Traits::kConsumerThreads + 32;
-    static constexpr uint32_t kDqTileBytes = kBlockM * D::value * sizeof(float);
+    // A consumer group and the dQ warp meet at the group's dQ barriers.
+    static constexpr int kDqSyncThreads = kWarpGroupThreads + 32;
+    static constexpr uint32_t kDqGroupBytes = Traits::kDqGroupFloats * sizeof(float);
+    static_assert(Traits::kConsumerWarpGroups == 2);
 
     // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
     // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
@@ -290,26 +314,43 @@ struct Sm90BwdMainloop {
         const int n_block = g.n0 / kBlockN;
         const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
         const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
-        barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);  // the buffer starts free
+        // The buffer starts free.
+        barrier_arrive(dq_empty(0), kDqSyncThreads);
+        barrier_arrive(dq_empty(1), kDqSyncThreads);
         for (int m = g.m_first; m < g.m_last; ++m) {
             const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
-            barrier_sync(BwdBarrier::kDqFull, kDqSyncThreads);
-            if (issuer) {
-                if (turns.enabled()) turns.wait(m, rank);
-                bulk_reduce_add(a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value,
-                                ss.dq, kDqTileBytes);
-                tma_store_arrive();
-                if (turns.enabled()) {
+            float* dst = a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value;
+            if (issuer && turns.enabled()) turns.wait(m, rank);
+            __syncwarp();
+            const bool more = m + 1 < g.m_last;
+            // Each half goes back to its group as soon as the copy engine has read it, so that
+            // group 0 does not wait for group 1's half (deterministic mode hands both back
+            // once the tile's addition is done and the turn passed).
+            CUTE_UNROLL
+            for (int group = 0; group < 2; ++group) {
+                barrier_sync(dq_full(group), kDqSyncThreads);
+                if (issuer) {
+                    bulk_reduce_add(dst + group * Traits::kDqGroupFloats,
+                                    ss.dq + group * Traits::kDqGroupFloats, kDqGroupBytes);
+                    tma_store_arrive();
+                    if (!turns.enabled()) bulk_wait_read<0>();
+                }
+                __syncwarp();
+                if (more && !turns.enabled()) barrier_arrive(dq_empty(group), kDqSyncThreads);
+            }
+            if (turns.enabled()) {
+                if (issuer) {
                     // The next key tile's addition must find this one's done.
                     bulk_wait_done();
                     fence_acq_rel_gpu();
                     turns.pass(m, rank);
-                } else {
-                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                if (more) {
+                    barrier_arrive(dq_empty(0), kDqSyncThreads);
+                    barrier_arrive(dq_empty(1), kDqSyncThreads);
                 }
             }
-            __syncwarp();
-            if (m + 1 < g.m_last) barrier_arrive(BwdBarrier::kDqEmpty, kDqSyncThreads);
         }
         if (issuer) bulk_wait_done();
     }
