@@ -225,29 +225,40 @@ struct Sm90BwdMainloop {
 
             // P^T = exp2(x * scale_log2 - lse_log2) column by column (a column is a query row),
             // x = t plus ALiBi's bias; masked scores are -inf and padding rows have lse = +inf,
-            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap).
-            const bool masked = mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN);
+            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap). Tiles
+            // without a mask get a copy of the loop without the mask's test: with the test in it,
+            // every element is a basic block of its own, ptxas cannot overlap one element's exp2
+            // with the next, and a step timeline showed the loop taking twice as long.
             const float* lse = ss.lse + q_stage * kBlockM;
             const float* dsum = ss.dsum + do_stage * kBlockM;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(s_rc); ++c) {
-                const int col = get<1>(cS_rc(0, c));
-                const float lse_c = lse[col];
-                const float d_c = kSoftcap ? dsum[col] : 0.f;
+            auto probs = [&](auto masked) {
                 CUTE_UNROLL
-                for (int r = 0; r < size<0>(s_rc); ++r) {
-                    const int row = get<0>(cS_rc(r, c));
-                    const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
-                                             : s_rc(r, c);
-                    float x = t;
-                    if constexpr (Traits::kAlibi) x += bias(m0 + col, g.n0 + row);
-                    if (masked && !mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
-                    const float prob = exp2f(x * p.scale_log2 - lse_c);
-                    s_rc(r, c) = prob;
-                    if constexpr (kSoftcap) {
-                        dp_rc(r, c) = prob * (dp_rc(r, c) - d_c) * fmaxf(1.f - t * t, 0.f);
+                for (int c = 0; c < size<1>(s_rc); ++c) {
+                    const int col = get<1>(cS_rc(0, c));
+                    const float lse_c = lse[col];
+                    const float d_c = kSoftcap ? dsum[col] : 0.f;
+                    CUTE_UNROLL
+                    for (int r = 0; r < size<0>(s_rc); ++r) {
+                        const int row = get<0>(cS_rc(r, c));
+                        const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
+                                                 : s_rc(r, c);
+                        float x = t;
+                        if constexpr (Traits::kAlibi) x += bias(m0 + col, g.n0 + row);
+                        if constexpr (decltype(masked)::value) {
+                            if (!mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
+                        }
+                        const float prob = exp2f(x * p.scale_log2 - lse_c);
+                        s_rc(r, c) = prob;
+                        if constexpr (kSoftcap) {
+                            dp_rc(r, c) = prob * (dp_rc(r, c) - d_c) * fmaxf(1.f - t * t, 0.f);
+                        }
                     }
                 }
+            };
+            if (mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN)) {
+                probs(cute::true_type{});
+            } else {
+                probs(cute::false_type{});
             }
             Tensor rP = convert_fragment<T>(acc_s);
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
