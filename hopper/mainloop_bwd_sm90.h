@@ -236,7 +236,7 @@ struct Sm90BwdMainloop {
                 for (int c = 0; c < size<1>(s_rc); ++c) {
                     const int col = get<1>(cS_rc(0, c));
                     const float lse_c = lse[col];
-                    const float d_c = kSoftcap ? dsum[col] : 0.f;
+                    [[maybe_unused]] const float d_c = kSoftcap ? dsum[col] : 0.f;
                     CUTE_UNROLL
                     for (int r = 0; r < size<0>(s_rc); ++r) {
                         const int row = get<0>(cS_rc(r, c));
@@ -314,9 +314,9 @@ struct Sm90BwdMainloop {
     static constexpr uint32_t kDqGroupBytes = Traits::kDqGroupFloats * sizeof(float);
     static_assert(Traits::kConsumerWarpGroups == 2);
 
-    // The dQ warp (BwdProducerWarp::kDqReduce): adds each query tile's dQ from shared memory to
-    // the fp32 accumulator with one bulk reduction, and hands the buffer back once the copy
-    // engine has read it.
+    // The dQ warp (BwdProducerWarp::kDqReduce): adds each consumer group's half of a query
+    // tile's dQ from shared memory to the fp32 accumulator with a bulk reduction, and hands that
+    // half back to its group once the copy engine has read it.
     static __device__ void reduce_dq(Args const& a, SharedStorage& ss, SeqInfo const& seq,
                                      int bidb, int bidh, Sm90BwdGeometry const& g) {
         const bool issuer = threadIdx.x % 32 == 0;
