@@ -189,8 +189,9 @@ struct Sm90BwdTraits {
 // dQ's fp32 accumulator uses the same rows, d floats each, in tiles of block_m rows whose
 // floats are stored in the consumer threads' fragment order (Sm90BwdTraits::dq_float4_index):
 // each thread writes its fragment to shared memory without bank conflicts, and each consumer
-// group's part of the tile is added to the accumulator in one bulk reduction. Rows past a sequence's end get
-// exact zeros (their P is 0). The dQ kernel reads it back through the same fragment mapping.
+// group's part of the tile is added to the accumulator in one bulk reduction. Rows past a
+// sequence's end get exact zeros (their P is 0). The dQ kernel reads it back through the same
+// fragment mapping.
 struct Sm90BwdRows {
     float* lse_log2 = nullptr;
     float* dsum = nullptr;

@@ -173,7 +173,7 @@ struct Sm90BwdMainloop {
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
 
         const int group = consumer_group();
-        constexpr int kPairThreads = 2 * kWarpGroupThreads;  // a group's barrier with the other
+        constexpr int kPairThreads = Traits::kConsumerThreads;  // a group's barrier with the other
         auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
 
         // dQ of query tile m = dS K, from both groups' rows of dS^T(m) (the other group's once
@@ -325,9 +325,9 @@ struct Sm90BwdMainloop {
         const int n_block = g.n0 / kBlockN;
         const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
         const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
-        // The buffer starts free.
-        barrier_arrive(dq_empty(0), kDqSyncThreads);
-        barrier_arrive(dq_empty(1), kDqSyncThreads);
+        // Each group's half of the buffer starts free.
+        auto give_back = [&](int group) { barrier_arrive(dq_empty(group), kDqSyncThreads); };
+        for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) give_back(group);
         for (int m = g.m_first; m < g.m_last; ++m) {
             const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
             float* dst = a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value;
@@ -338,7 +338,7 @@ struct Sm90BwdMainloop {
             // group 0 does not wait for group 1's half (deterministic mode hands both back
             // once the tile's addition is done and the turn passed).
             CUTE_UNROLL
-            for (int group = 0; group < 2; ++group) {
+            for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) {
                 barrier_sync(dq_full(group), kDqSyncThreads);
                 if (issuer) {
                     bulk_reduce_add(dst + group * Traits::kDqGroupFloats,
@@ -347,7 +347,7 @@ struct Sm90BwdMainloop {
                     if (!turns.enabled()) bulk_wait_read<0>();
                 }
                 __syncwarp();
-                if (more && !turns.enabled()) barrier_arrive(dq_empty(group), kDqSyncThreads);
+                if (more && !turns.enabled()) give_back(group);
             }
             if (turns.enabled()) {
                 if (issuer) {
@@ -358,8 +358,9 @@ struct Sm90BwdMainloop {
                 }
                 __syncwarp();
                 if (more) {
-                    barrier_arrive(dq_empty(0), kDqSyncThreads);
-                    barrier_arrive(dq_empty(1), kDqSyncThreads);
+                    for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) {
+                        give_back(group);
+                    }
                 }
             }
         }
