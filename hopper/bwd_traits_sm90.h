@@ -63,6 +63,7 @@ struct Sm90BwdTraits {
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
+    static constexpr bool kMaskPass = kTile.mask_pass;
     static constexpr int kConsumerWarpGroups = kBlockN / kWarpGroupRows;
     static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWarpGroups;
     static constexpr int kThreads = kWarpGroupThreads + kConsumerThreads;

@@ -225,10 +225,14 @@ struct Sm90BwdMainloop {
 
             // P^T = exp2(x * scale_log2 - lse_log2) column by column (a column is a query row),
             // x = t plus ALiBi's bias; masked scores are -inf and padding rows have lse = +inf,
-            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap). Tiles
-            // without a mask get a copy of the loop without the mask's test: with the test in it,
-            // every element is a basic block of its own, ptxas cannot overlap one element's exp2
-            // with the next, and a step timeline showed the loop taking twice as long.
+            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap). The exp2
+            // loop must not test the mask where it can help it: with the test in it, every
+            // element is a basic block of its own, ptxas cannot overlap one element's exp2 with
+            // the next, and a step timeline showed the loop taking twice as long. So the tiles
+            // that need the mask either get a pass of their own that sets masked scores to -inf
+            // first (Traits::kMaskPass; -inf stays -inf with ALiBi's bias added), or a copy of
+            // the loop with the test. Under softcap the pass cannot work (tanh(-inf) = -1); there
+            // with kMaskPass one loop keeps the test, which spills less than two copies.
             const float* lse = ss.lse + q_stage * kBlockM;
             const float* dsum = ss.dsum + do_stage * kBlockM;
             auto probs = [&](auto masked) {
@@ -244,9 +248,7 @@ struct Sm90BwdMainloop {
                                                  : s_rc(r, c);
                         float x = t;
                         if constexpr (Traits::kAlibi) x += bias(m0 + col, g.n0 + row);
-                        if constexpr (decltype(masked)::value) {
-                            if (!mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
-                        }
+                        if (masked && !mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
                         const float prob = exp2f(x * p.scale_log2 - lse_c);
                         s_rc(r, c) = prob;
                         if constexpr (kSoftcap) {
@@ -255,7 +257,20 @@ struct Sm90BwdMainloop {
                     }
                 }
             };
-            if (mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN)) {
+            const bool masked = mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN);
+            if constexpr (Traits::kMaskPass && !kSoftcap) {
+                if (masked) {
+                    CUTE_UNROLL
+                    for (int i = 0; i < size(s_rc); ++i) {
+                        if (!mask.keep(m0 + get<1>(cS_rc(i)), g.n0 + get<0>(cS_rc(i)))) {
+                            s_rc(i) = -INFINITY;
+                        }
+                    }
+                }
+                probs(cute::false_type{});
+            } else if constexpr (Traits::kMaskPass) {
+                probs(masked);
+            } else if (masked) {
                 probs(cute::true_type{});
             } else {
                 probs(cute::false_type{});

@@ -52,6 +52,9 @@ struct Sm90BwdTile {
     int block_m;  // query rows per step of the query loop
     int block_n;  // key rows per CTA: 64 per consumer warp group
     int stages;   // Q and dO buffers
+    // The mask as a pass of its own before the exp2 loop (outside softcap), rather than a second
+    // copy of the loop without the mask's test for the tiles that need none.
+    bool mask_pass;
 };
 
 // SM90 backward: a CTA keeps a block_n-row K/V tile and its dK, dV accumulators in registers
@@ -63,8 +66,11 @@ struct Sm90BwdTile {
 // load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats
 // (80, with dQ^T, spilled 144 bytes and ran at 0.97-1.02 of 64, 2026-11-25).
 // Two Q/dO stages let the next query tile load while this one computes.
+// mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
+// at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
+// bf16, 1k-16k, 2026-11-27).
 constexpr Sm90BwdTile sm90_bwd_tile(int d) {
-    return d <= 64 ? Sm90BwdTile{128, 128, 2} : Sm90BwdTile{64, 128, 2};
+    return d <= 64 ? Sm90BwdTile{128, 128, 2, true} : Sm90BwdTile{64, 128, 2, false};
 }
 
 // Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
