@@ -28,7 +28,8 @@ for v in $VARIANTS; do
   rm -rf "$dir" && mkdir -p "$dir"
   tar --exclude=./build --exclude=./.fa3 --exclude=./.cutlass --exclude=./.git -cf - . | tar -C "$dir" -xf -
   (cd "$dir" && { [ -z "$patch_file" ] || patch -p1 -s < "$patch_file"; } &&
-     python3 setup.py build_ext --inplace > "$LOGS/build_$name.log" 2>&1
+     python3 setup.py build_ext --inplace > "$LOGS/build_$name.log" 2>&1 &&
+     python3 setup.py -q egg_info >> "$LOGS/build_$name.log" 2>&1  # metadata for transformers
    echo "build $name rc=$?") &
   builds+=("$name=$dir/flash_attn/$(cd "$ROOT" && python3 -c 'import sysconfig; print("_C" + sysconfig.get_config_var("EXT_SUFFIX"))')")
 done

@@ -181,6 +181,12 @@ if want build; then
     "$PY" "$TOOLS/timed.py" "$OUT_DIR/build_time.txt" -- "${BUILD_CMD[@]}"
   BUILD_RC=$?
   unset PYTORCH_NVCC
+  # The in-place build's distribution metadata (flash_attn.egg-info, found through PYTHONPATH):
+  # transformers' is_flash_attn_2_available() reads it, and without it the transformers tests
+  # fail with ImportError.
+  if [ "$BUILD_RC" -eq 0 ] && [ "${BUILD_MODE:-inplace}" != pip ]; then
+    "$PY" setup.py -q egg_info >> "$OUT_DIR/build.log" 2>&1
+  fi
   # Wall time and memory of the whole build, per-job RSS from the nvcc wrapper.
   read -r _ wall rss memd < <(sed 's/[a-z_]*=//g' "$OUT_DIR/build_time.txt" 2>/dev/null || echo "? ? 0 0")
   NOTE[build]="wall ${wall:-?}s, largest process $(human_kb "${rss:-0}"), peak machine memory +$(human_kb "${memd:-0}") (MAX_JOBS=$MAX_JOBS)"
