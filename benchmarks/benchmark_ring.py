@@ -10,6 +10,11 @@ graphs, so the one-GPU baseline is timed the same way (at these sizes a call tak
 far above launch overhead).
 
     python benchmarks/benchmark_ring.py --world 2 --seqlens 65536 --causal both
+
+``--trace DIR`` also records one fwd+bwd call per rank with torch.profiler after the timing
+(DIR/ring_{seqlen}_{causal}_rank{r}.json, Chrome trace format; the one-GPU baseline's in
+DIR/single_{seqlen}_{causal}.json) and prints rank 0's kernels by device time;
+``--env NCCL_X=Y`` sets NCCL variables in the ranks, for an A/B of NCCL settings.
 """
 
 from __future__ import annotations
@@ -131,10 +136,30 @@ def _breakdown(q: Tensor, k: Tensor, v: Tensor, seqlen: int, iters: int) -> Dict
     return row
 
 
+def _trace(fn: Callable[[], None], path: str, table: bool,
+           barrier: Optional[Callable[[], None]] = dist.barrier) -> None:
+    """One call of ``fn`` under torch.profiler, written to ``path``; ``table``: print its
+    operators and kernels by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    if table:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+
+
 def _worker(rank: int, world: int, init_file: str, out_file: str,
             args: argparse.Namespace) -> None:
     from flash_attn import ring_flash_attn_func
 
+    for kv in args.env:
+        key, _, value = kv.partition("=")
+        os.environ[key] = value
     torch.cuda.set_device(rank)
     if args.sm_margin is not None:
         import flash_attn.ring_attention as ring_attention
@@ -151,6 +176,10 @@ def _worker(rank: int, world: int, init_file: str, out_file: str,
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 rows.append({"seqlen": seqlen, "causal": causal, "what": what,
                              "seconds": t.item()})
+                if args.trace and what == "fwd+bwd":
+                    os.makedirs(args.trace, exist_ok=True)
+                    name = f"ring_{seqlen}_{causal}_rank{rank}.json"
+                    _trace(fn, os.path.join(args.trace, name), rank == 0)
             if args.breakdown and not causal:
                 rows.append(_breakdown(q, k, v, seqlen, args.iters))
     if rank == 0:
@@ -174,6 +203,10 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also time one non-causal ring step's exchange and kernel, alone and "
                         "together, forward and backward")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="record one fwd+bwd call per rank with torch.profiler into DIR")
+    p.add_argument("--env", action="append", default=[], metavar="NCCL_X=Y",
+                   help="an environment variable for the ranks (repeatable)")
     args = p.parse_args()
     args.causal = {"true": [True], "false": [False], "both": [True, False]}[args.causal]
 
@@ -186,6 +219,10 @@ def main() -> None:
             for what, fn in _runs(q, k, v, lambda a, b, c, cz: flash_attn_func(
                     a, b, c, causal=cz), causal).items():
                 single[(seqlen, causal, what)] = _time(fn, args.iters)
+                if args.trace and what == "fwd+bwd":
+                    os.makedirs(args.trace, exist_ok=True)
+                    _trace(fn, os.path.join(args.trace, f"single_{seqlen}_{causal}.json"),
+                           False, None)
             del q, k, v
     torch.cuda.empty_cache()
 
