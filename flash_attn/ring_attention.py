@@ -403,77 +403,45 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
     return acc_out.to(q.dtype), acc_lse.to(torch.float32 if q.is_cuda else cdt)
 
 
-def _split_own(segs: List[List[Segment]]) -> Tuple[List[List[Segment]], List[List[Segment]],
-                                                    List[List[Segment]]]:
-    """The backward's own K/V block in two parts: (query segments, key segments run at the first
-    step, key segments run after the last). Zigzag: the two chunks; contiguous: the two halves of
-    the shard (query segments halved too, so that every pair has equal lengths, which ``_block``
-    relies on); an odd contiguous length is not split."""
-    q, early, late = [], [], []
-    for seq in segs:
-        if len(seq) == 1 and seq[0][2] % 2 == 0:
-            s, l, n = seq[0]
-            seq = [(s, l, n // 2), (s + n // 2, l + n // 2, n // 2)]
-        q.append(seq)
-        early.append(seq[:1] if len(seq) == 2 else seq)
-        late.append(seq[1:] if len(seq) == 2 else [])
-    return q, early, late
-
-
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    ring: _Ring, seqlens: List[int], zigzag: bool, scale: float, left: float,
                    right: float, softcap: float,
                    deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """The accumulator of K/V block b starts at rank b + 1, which has the block at step 1, and
-    goes round with it; its last hop, from rank b - 1 to b, is in flight while rank b runs the
-    part of its own block kept for the end, and rank b adds its own gradients on arrival. Had
-    the own block run whole at step 0, that hop (the fp32 dK/dV, twice the bytes of K/V) would
-    follow the last kernel with nothing to overlap it."""
     cdt = reference._compute_dtype(q, k, v, dout)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
-
-    def run(blocks: List[_Block], kv: Tensor) -> List[Tuple[slice, Tensor, Tensor]]:
-        grads = []
-        for blk in blocks:
+    kv = torch.stack([k, v])
+    dkv_reqs: list = []
+    dkv_in: Optional[Tensor] = None
+    for step in range(ring.world):
+        if step < ring.world - 1:
+            kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
+        owner = (ring.rank - step) % ring.world
+        grads: List[Tuple[slice, Tensor, Tensor]] = []
+        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic)
             dq[:, blk.rows] += g_q
             grads.append((blk.cols, g_k, g_v))
-        return grads
-
-    def add(acc: Tensor, grads: List[Tuple[slice, Tensor, Tensor]]) -> None:
-        for cols, g_k, g_v in grads:
-            acc[0][:, cols] += g_k
-            acc[1][:, cols] += g_v
-
-    own_kv = torch.stack([k, v])
-    own_q, own_early, own_late = _split_own(qsegs)
-    kv_reqs, kv_next = ring.exchange(own_kv, _TAG_KV)
-    own = run(_blocks(own_q, own_early, left, right), own_kv)
-    dkv_reqs: list = []
-    dkv_in: Optional[Tensor] = None
-    for step in range(1, ring.world):
-        _wait(kv_reqs)
-        kv = kv_next
-        if step < ring.world - 1:
-            kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
-        owner = (ring.rank - step) % ring.world
-        grads = run(_blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right),
-                    kv)
-        # This step's accumulator arrived from the previous rank while the kernels ran; it is
-        # waited for only after they have been issued.
+        # The accumulator of this K/V block arrives from the previous rank (which had the block
+        # one step earlier) while this step's kernels run; it is waited for only after they
+        # have been issued, and this step's dK/dV are added into it in place. At step 0 the
+        # block is this rank's own and its accumulator starts at zero.
         if dkv_in is None:
-            acc = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+            part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
         else:
             _wait(dkv_reqs)
-            acc = dkv_in
-        add(acc, grads)
-        dkv_reqs, dkv_in = ring.exchange(acc, _TAG_DKV)
-    own += run(_blocks(own_q, own_late, left, right), own_kv)
+            part = dkv_in
+        for cols, g_k, g_v in grads:
+            part[0][:, cols] += g_k
+            part[1][:, cols] += g_v
+        dkv_reqs, dkv_in = ring.exchange(part, _TAG_DKV)
+        if step < ring.world - 1:
+            _wait(kv_reqs)
+            kv = kv_next
+    # After the last step each accumulator takes one more hop, to the owner of its block.
     _wait(dkv_reqs)
-    add(dkv_in, own)
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
 
