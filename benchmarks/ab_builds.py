@@ -13,8 +13,8 @@ unique symbols bind it process-wide) and every "variant" runs the first build's 
         new=/tmp/b/flash_attn/_C.cpython-312-x86_64-linux-gnu.so \\
         --hdims 128 --seqlens 512,2048,8192 --causal both
 
-Shapes follow the benchmark grid (16k tokens, at least one sequence; hidden 2048). Prints a markdown table: the median
-TFLOP/s of each build over the rounds and each build's ratio to the first. `--pass bwd` times
+Shapes follow the benchmark grid (16k tokens, at least one sequence; hidden 2048). Prints a
+markdown table: the median TFLOP/s of each build over the rounds and each build's ratio to the first. `--pass bwd` times
 the backward binding alone (its input: each build's own forward output and lse), FLOPs as in
 benchmark_attn.py (2.5 x forward). FLASH_ATTN_FORCE_SM80=1 makes every build run its SM80
 forward.
