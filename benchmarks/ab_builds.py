@@ -14,10 +14,10 @@ unique symbols bind it process-wide) and every "variant" runs the first build's 
         --hdims 128 --seqlens 512,2048,8192 --causal both
 
 Shapes follow the benchmark grid (16k tokens, at least one sequence; hidden 2048). Prints a
-markdown table: the median TFLOP/s of each build over the rounds and each build's ratio to the first. `--pass bwd` times
-the backward binding alone (its input: each build's own forward output and lse), FLOPs as in
-benchmark_attn.py (2.5 x forward). FLASH_ATTN_FORCE_SM80=1 makes every build run its SM80
-forward.
+markdown table: the median TFLOP/s of each build over the rounds and each build's ratio to the
+first. `--pass bwd` times the backward binding alone (its input: each build's own forward output
+and lse), FLOPs as in benchmark_attn.py (2.5 x forward). FLASH_ATTN_FORCE_SM80=1 makes every build
+run its SM80 forward.
 """
 from __future__ import annotations
 
