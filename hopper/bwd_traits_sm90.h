@@ -22,6 +22,8 @@ struct DoOperand {};
 
 // The backward kernel's named barriers (0 is __syncthreads).
 enum class BwdBarrier : int {
+    // Wide tile: both groups wrote their query columns of P^T and dS^T for this step.
+    kPdsFull = 1,
     // Group g wrote its rows of dS^T into buffer b (id + 4 g + b): group g arrives, the other
     // group syncs before its dQ GEMM reads the buffer. One way, so the groups never meet.
     kDsFull = 2,
@@ -64,7 +66,8 @@ struct Sm90BwdTraits {
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
     static constexpr bool kMaskPass = kTile.mask_pass;
-    static constexpr int kConsumerWarpGroups = kBlockN / kWarpGroupRows;
+    static constexpr bool kWide = kTile.wide;
+    static constexpr int kConsumerWarpGroups = kWide ? 2 : kBlockN / kWarpGroupRows;
     static constexpr int kConsumerThreads = kWarpGroupThreads * kConsumerWarpGroups;
     static constexpr int kThreads = kWarpGroupThreads + kConsumerThreads;
     // setmaxnreg: the producer only issues copies; the consumers hold dK, dV, S^T and dP^T.
@@ -80,16 +83,26 @@ struct Sm90BwdTraits {
     using D = Int<kHeadDim>;
     using Stages = Int<kStages>;
     using WarpGroupsAlongM = Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>;
+    using WarpGroupsAlongN = Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>;
 
-    // S^T = K Q^T and dP^T = V dO^T, (block_n x block_m): a warp group per 64 key rows, both
-    // operands K-major in shared memory.
+    // S^T = K Q^T and dP^T = V dO^T, (block_n x block_m): a warp group per 64 key rows (wide: per
+    // half of the query columns), both operands K-major in shared memory.
+    using SdPColumns = Int<kWide ? kBlockM / kConsumerWarpGroups : kBlockM>;
     using MmaSdP = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<T, T, float, Shape<_64, BM, D>>(), WarpGroupsAlongM{}));
+        GMMA::ss_op_selector<T, T, float, Shape<_64, SdPColumns, D>>(),
+        std::conditional_t<kWide, WarpGroupsAlongN, WarpGroupsAlongM>{}));
     // dV += P^T dO and dK += dS^T Q, (block_n x d): A is the previous GEMMs' accumulator in
-    // registers, B is dO or Q read MN-major (their rows are the K dimension).
-    using MmaKV = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BM>, GMMA::Major::K, GMMA::Major::MN>(),
-        WarpGroupsAlongM{}));
+    // registers (wide: P^T and dS^T from shared memory, K-major, each group half of d's
+    // columns), B is dO or Q read MN-major (their rows are the K dimension).
+    using MmaKV = std::conditional_t<
+        kWide,
+        decltype(make_tiled_mma(
+            GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kHeadDim / kConsumerWarpGroups>, BM>,
+                                 GMMA::Major::K, GMMA::Major::MN>(),
+            WarpGroupsAlongN{})),
+        decltype(make_tiled_mma(
+            GMMA::rs_op_selector<T, T, float, Shape<_64, D, BM>, GMMA::Major::K, GMMA::Major::MN>(),
+            WarpGroupsAlongM{}))>;
     // dQ = dS K, (block_m x d), both operands MN-major in shared memory. With 128 query rows the
     // warp groups take 64 rows each; with 64 they take half of the columns each.
     static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
@@ -123,12 +136,17 @@ struct Sm90BwdTraits {
     // step m - 2, which has then finished dQ(m - 4) with buffer m % 4. The turns keep the
     // groups closer than that, so three suffice (an exhaustive check of the barrier protocol,
     // 2026-11-27): three where four do not fit (block_m 128, d <= 64).
-    static constexpr int kDsBuffers = kBlockM == 64 ? 4 : 3;
+    // Wide: the groups meet every step, so two buffers of dS^T, and two of P^T after them
+    // (slots kDsBuffers + b), suffice: a group overwrites buffer m % 2 at step m + 2 only after
+    // both passed step m + 1's barrier, by which time both have waited for the GEMMs of step m.
+    static constexpr int kDsBuffers = kWide ? 2 : kBlockM == 64 ? 4 : 3;
+    static constexpr int kPBuffers = kWide ? 2 : 0;
+    static constexpr int kDsSlots = kDsBuffers + kPBuffers;
     using SmemLayoutDs =
-        decltype(tile_to_shape(SmemAtomDs{}, Shape<BN, BM, Int<kDsBuffers>>{}));
+        decltype(tile_to_shape(SmemAtomDs{}, Shape<BN, BM, Int<kDsSlots>>{}));
     using SmemLayoutDsT = decltype(composition(
         SmemLayoutDs{},
-        make_ordered_layout(Shape<BM, BN, Int<kDsBuffers>>{}, Step<_2, _1, _3>{})));
+        make_ordered_layout(Shape<BM, BN, Int<kDsSlots>>{}, Step<_2, _1, _3>{})));
     using StoreDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaSdP{}));
 
     // Global tensors as TMA sees them: (rows, d, heads, batch), as in the forward.

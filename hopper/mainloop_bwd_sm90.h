@@ -121,6 +121,99 @@ struct Sm90BwdMainloop {
         }
     }
 
+    // ---------------------------------------------------------------- score policy ----
+
+    // P^T of one S^T tile in place (s_rc), and under softcap dS^T too (dp_rc). s_rc, dp_rc and
+    // cS_rc are (rows, cols) views: rows are keys (n0 + row), columns queries (m0 + col).
+    template <bool kSoftcap, class TensorRc, class CoordRc>
+    static __forceinline__ __device__ void tile_probs(TensorRc& s_rc, TensorRc& dp_rc,
+                                                      CoordRc const& cS_rc, BwdParams const& p,
+                                                      BandMask const& mask, AlibiBias const& bias,
+                                                      const float* lse, const float* dsum, int m0,
+                                                      int n0) {
+        // P^T = exp2(x * scale_log2 - lse_log2) column by column (a column is a query row),
+        // x = t plus ALiBi's bias; masked scores are -inf and padding rows have lse = +inf,
+        // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap). The exp2
+        // loop must not test the mask where it can help it: with the test in it, every
+        // element is a basic block of its own, ptxas cannot overlap one element's exp2 with
+        // the next, and a step timeline showed the loop taking twice as long. So the tiles
+        // that need the mask either get a pass of their own that sets masked scores to -inf
+        // first (Traits::kMaskPass; -inf stays -inf with ALiBi's bias added), or a copy of
+        // the loop with the test. Under softcap the pass cannot work (tanh(-inf) = -1); there
+        // with kMaskPass one loop keeps the test, which spills less than two copies.
+        auto probs = [&](auto masked) {
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s_rc); ++c) {
+                const int col = get<1>(cS_rc(0, c));
+                const float lse_c = lse[col];
+                [[maybe_unused]] const float d_c = kSoftcap ? dsum[col] : 0.f;
+                CUTE_UNROLL
+                for (int r = 0; r < size<0>(s_rc); ++r) {
+                    const int row = get<0>(cS_rc(r, c));
+                    const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
+                                             : s_rc(r, c);
+                    float x = t;
+                    if constexpr (Traits::kAlibi) x += bias(m0 + col, n0 + row);
+                    if (masked && !mask.keep(m0 + col, n0 + row)) x = -INFINITY;
+                    const float prob = exp2f(x * p.scale_log2 - lse_c);
+                    s_rc(r, c) = prob;
+                    if constexpr (kSoftcap) {
+                        dp_rc(r, c) = prob * (dp_rc(r, c) - d_c) * fmaxf(1.f - t * t, 0.f);
+                    }
+                }
+            }
+        };
+        const bool masked = mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
+        if constexpr (Traits::kMaskPass && !kSoftcap) {
+            if (masked) {
+                CUTE_UNROLL
+                for (int i = 0; i < size(s_rc); ++i) {
+                    if (!mask.keep(m0 + get<1>(cS_rc(i)), n0 + get<0>(cS_rc(i)))) {
+                        s_rc(i) = -INFINITY;
+                    }
+                }
+            }
+            probs(cute::false_type{});
+        } else if constexpr (Traits::kMaskPass) {
+            probs(masked);
+        } else if (masked) {
+            probs(cute::true_type{});
+        } else {
+            probs(cute::false_type{});
+        }
+    }
+
+    // dS^T = P^T * (dP^T - D) in place (dp_rc), without softcap.
+    template <class TensorRc, class CoordRc>
+    static __forceinline__ __device__ void tile_grads(TensorRc const& s_rc, TensorRc& dp_rc,
+                                                      CoordRc const& cS_rc, const float* dsum) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp_rc); ++c) {
+            const float d_c = dsum[get<1>(cS_rc(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(dp_rc); ++r) {
+                dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_c);
+            }
+        }
+    }
+
+    // A group's part of a tile's dQ (acc_dq, done) to shared memory for the dQ warp, once the
+    // dQ warp has read the part before.
+    template <class AccDq>
+    static __forceinline__ __device__ void store_dq(AccDq const& acc_dq, SharedStorage& ss,
+                                                    int ctid, int group) {
+        barrier_sync(dq_empty(group), kDqSyncThreads);
+        float4* dq = reinterpret_cast<float4*>(ss.dq);
+        static_assert(decltype(size(acc_dq))::value / 4 == Traits::kDqFloat4PerThread);
+        CUTE_UNROLL
+        for (int j = 0; j < size(acc_dq) / 4; ++j) {
+            dq[Traits::dq_float4_index(j, ctid)] =
+                make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
+        }
+        cutlass::arch::fence_view_async_shared();
+        barrier_arrive(dq_full(group), kDqSyncThreads);
+    }
+
     // ---------------------------------------------------------------- consumer ----
 
     // Runs the tile's query loop for this consumer warp group: acc_dk, acc_dv get the group's 64
@@ -184,17 +277,7 @@ struct Sm90BwdMainloop {
             Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
             wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
             warpgroup_wait<0>();
-            barrier_sync(dq_empty(group), kDqSyncThreads);
-            float4* dq = reinterpret_cast<float4*>(ss.dq);
-            static_assert(decltype(size(acc_dq))::value / 4 == Traits::kDqFloat4PerThread);
-            CUTE_UNROLL
-            for (int j = 0; j < size(acc_dq) / 4; ++j) {
-                dq[Traits::dq_float4_index(j, ctid)] =
-                    make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2),
-                                acc_dq(4 * j + 3));
-            }
-            cutlass::arch::fence_view_async_shared();
-            barrier_arrive(dq_full(group), kDqSyncThreads);
+            store_dq(acc_dq, ss, ctid, group);
         };
 
         // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
@@ -223,71 +306,14 @@ struct Sm90BwdMainloop {
                 warpgroup_wait<1>();
             }
 
-            // P^T = exp2(x * scale_log2 - lse_log2) column by column (a column is a query row),
-            // x = t plus ALiBi's bias; masked scores are -inf and padding rows have lse = +inf,
-            // so both give P = 0. dS^T = P^T * (dP^T - D) (* (1 - t^2) under softcap). The exp2
-            // loop must not test the mask where it can help it: with the test in it, every
-            // element is a basic block of its own, ptxas cannot overlap one element's exp2 with
-            // the next, and a step timeline showed the loop taking twice as long. So the tiles
-            // that need the mask either get a pass of their own that sets masked scores to -inf
-            // first (Traits::kMaskPass; -inf stays -inf with ALiBi's bias added), or a copy of
-            // the loop with the test. Under softcap the pass cannot work (tanh(-inf) = -1); there
-            // with kMaskPass one loop keeps the test, which spills less than two copies.
-            const float* lse = ss.lse + q_stage * kBlockM;
-            const float* dsum = ss.dsum + do_stage * kBlockM;
-            auto probs = [&](auto masked) {
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(s_rc); ++c) {
-                    const int col = get<1>(cS_rc(0, c));
-                    const float lse_c = lse[col];
-                    [[maybe_unused]] const float d_c = kSoftcap ? dsum[col] : 0.f;
-                    CUTE_UNROLL
-                    for (int r = 0; r < size<0>(s_rc); ++r) {
-                        const int row = get<0>(cS_rc(r, c));
-                        const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
-                                                 : s_rc(r, c);
-                        float x = t;
-                        if constexpr (Traits::kAlibi) x += bias(m0 + col, g.n0 + row);
-                        if (masked && !mask.keep(m0 + col, g.n0 + row)) x = -INFINITY;
-                        const float prob = exp2f(x * p.scale_log2 - lse_c);
-                        s_rc(r, c) = prob;
-                        if constexpr (kSoftcap) {
-                            dp_rc(r, c) = prob * (dp_rc(r, c) - d_c) * fmaxf(1.f - t * t, 0.f);
-                        }
-                    }
-                }
-            };
-            const bool masked = mask.tile_needs_mask(m0, kBlockM, g.n0, kBlockN);
-            if constexpr (Traits::kMaskPass && !kSoftcap) {
-                if (masked) {
-                    CUTE_UNROLL
-                    for (int i = 0; i < size(s_rc); ++i) {
-                        if (!mask.keep(m0 + get<1>(cS_rc(i)), g.n0 + get<0>(cS_rc(i)))) {
-                            s_rc(i) = -INFINITY;
-                        }
-                    }
-                }
-                probs(cute::false_type{});
-            } else if constexpr (Traits::kMaskPass) {
-                probs(masked);
-            } else if (masked) {
-                probs(cute::true_type{});
-            } else {
-                probs(cute::false_type{});
-            }
+            tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
+                                 ss.dsum + do_stage * kBlockM, m0, g.n0);
             Tensor rP = convert_fragment<T>(acc_s);
             Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
             wgmma_issue<false>(mma_kv, rP_a, tKVrdOt(_, _, _, do_stage), acc_dv);
             if constexpr (!kSoftcap) {
                 warpgroup_wait<1>();  // dP^T
-                CUTE_UNROLL
-                for (int c = 0; c < size<1>(dp_rc); ++c) {
-                    const float d_c = dsum[get<1>(cS_rc(0, c))];
-                    CUTE_UNROLL
-                    for (int r = 0; r < size<0>(dp_rc); ++r) {
-                        dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d_c);
-                    }
-                }
+                tile_grads(s_rc, dp_rc, cS_rc, ss.dsum + do_stage * kBlockM);
             }
             Tensor rDs = convert_fragment<T>(acc_dp);
             Tensor rDs_a = make_tensor(rDs.data(), wgmma_acc_as_a_operand(rDs.layout()));
@@ -322,6 +348,118 @@ struct Sm90BwdMainloop {
         dq_step(g.m_last - 1);
         // The turn that the last step handed over is taken, so both turn barriers end clear.
         if (group == 0) barrier_sync(group_turn(0), kPairThreads);
+    }
+
+    // The wide tile's query loop (Traits::kWide): both groups share the 64 key rows. In a step
+    // each group computes its half of S^T's and dP^T's query columns and writes its columns of
+    // P^T and dS^T to shared memory; after a barrier of both groups it adds all of P^T dO and
+    // dS^T Q to its half of d's columns of dV and dK (acc_dv, acc_dk), then computes its half
+    // of dQ's columns.
+    template <class AccKV>
+    static __device__ void compute_wide(Args const& a, SharedStorage& ss,
+                                        typename Traits::QPipe& q_pipe,
+                                        typename Traits::DoPipe& do_pipe, PipeState& q_state,
+                                        PipeState& do_state, SeqInfo const& seq, int bidb,
+                                        int bidh, Sm90BwdGeometry const& g, AccKV& acc_dk,
+                                        AccKV& acc_dv) {
+        static_assert(Traits::kWide);
+        BwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - kWarpGroupThreads;
+        const int group = consumer_group();
+        const BandMask mask = seq.mask(p);
+
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
+        Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
+        Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
+        Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
+        Tensor sDs = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDs{});
+        Tensor sDsT = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDsT{});
+
+        typename Traits::MmaSdP mma_sdp;
+        typename Traits::MmaKV mma_kv;
+        typename Traits::MmaDq mma_dq;
+        auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+        auto thr_kv = mma_kv.get_thread_slice(ctid);
+        auto thr_dq = mma_dq.get_thread_slice(ctid);
+        Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, 1, d/16)
+        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, d/16, stages)
+        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+        Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
+        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, slots)
+        Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
+
+        auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
+        Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, slots)
+        Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
+        Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
+
+        AlibiBias bias{};
+        if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
+
+        auto step = [&](int m, auto softcap) {
+            constexpr bool kSoftcap = decltype(softcap)::value;
+            const int m0 = m * kBlockM;
+            const int q_stage = q_state.index();
+            const int do_stage = do_state.index();
+            // dS^T in slot `buffer`, P^T in slot kDsBuffers + buffer.
+            const int buffer = (m - g.m_first) % Traits::kDsBuffers;
+            Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+            Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+            Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
+            Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
+
+            q_pipe.consumer_wait(q_state);
+            do_pipe.consumer_wait(do_state);
+            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
+            wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
+            if constexpr (kSoftcap) {
+                warpgroup_wait<0>();
+            } else {
+                warpgroup_wait<1>();
+            }
+            const float* dsum = ss.dsum + do_stage * kBlockM;
+            tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
+                                 dsum, m0, g.n0);
+            if constexpr (!kSoftcap) {
+                warpgroup_wait<0>();  // dP^T
+                tile_grads(s_rc, dp_rc, cS_rc, dsum);
+            }
+            Tensor rP = convert_fragment<T>(acc_s);
+            Tensor rDs = convert_fragment<T>(acc_dp);
+            copy(typename Traits::StoreDs{}, store_ds.retile_S(rP),
+                 tDssDs(_, _, _, Traits::kDsBuffers + buffer));
+            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, buffer));
+            cutlass::arch::fence_view_async_shared();
+            barrier_sync(BwdBarrier::kPdsFull, Traits::kConsumerThreads);
+            wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, Traits::kDsBuffers + buffer),
+                               tKVrdOt(_, _, _, do_stage), acc_dv);
+            wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, buffer), tKVrQt(_, _, _, q_stage),
+                               acc_dk);
+            warpgroup_wait<0>();
+            // Q and dO are read for the last time: their one stage loads the next tile while dQ
+            // runs.
+            q_pipe.consumer_release(q_state);
+            do_pipe.consumer_release(do_state);
+            ++q_state;
+            ++do_state;
+            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, buffer), tDqrKt, acc_dq);
+            warpgroup_wait<0>();
+            store_dq(acc_dq, ss, ctid, group);
+        };
+
+        ss.kv_full.wait(0);
+        if (p.softcap > 0.f) {
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
+        } else {
+            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
+        }
     }
 
     // A consumer group and the dQ warp meet at the group's dQ barriers.

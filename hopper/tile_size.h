@@ -55,6 +55,9 @@ struct Sm90BwdTile {
     // The mask as a pass of its own before the exp2 loop (outside softcap), rather than a second
     // copy of the loop without the mask's test for the tiles that need none.
     bool mask_pass;
+    // Two consumer groups on one 64-row K/V tile, each holding half of d's columns of dK and dV
+    // (the `wide` mainloop), where a group's 64 rows of dK and dV would not fit its registers.
+    bool wide = false;
 };
 
 // SM90 backward: a CTA keeps a block_n-row K/V tile and its dK, dV accumulators in registers
@@ -69,13 +72,20 @@ struct Sm90BwdTile {
 // mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
 // at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
 // bf16, 1k-16k, 2026-11-27).
+// d = 256 (wide): dK and dV of 64 rows take 256 floats per thread of one group, so the two
+// groups split their columns (64 + 64 floats) and S^T's query columns (64 x 32 each); P^T and
+// dS^T go through shared memory to both groups' dV and dK GEMMs. Shared memory: K, V 64 KiB,
+// one Q and one dO stage 64 KiB, P^T and dS^T double-buffered 32 KiB, dQ 64 KiB.
 constexpr Sm90BwdTile sm90_bwd_tile(int d) {
-    return d <= 64 ? Sm90BwdTile{128, 128, 2, true} : Sm90BwdTile{64, 128, 2, false};
+    return d <= 64    ? Sm90BwdTile{128, 128, 2, true}
+           : d <= 128 ? Sm90BwdTile{64, 128, 2, false}
+                      : Sm90BwdTile{64, 64, 1, false, true};
 }
 
 // Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
-// dV no longer fit the registers of a 64-row warp group; at d = 96 the halves of dQ's columns
-// (48) do not fall on whole swizzle atoms of K.
-constexpr bool sm90_bwd_supported(int d) { return d <= 64 || d == 128; }
+// dV no longer fit the registers of a 64-row warp group, and the wide tile's column halves
+// fall on whole swizzle atoms only at d = 256; at d = 96 the halves of dQ's columns (48) do not
+// fall on whole swizzle atoms of K.
+constexpr bool sm90_bwd_supported(int d) { return d <= 64 || d == 128 || d == 256; }
 
 }  // namespace flash
