@@ -153,13 +153,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         clear(acc_dv);
         if (g.has_queries()) {
             typename Traits::PipeState q_state, do_state;
-            if constexpr (Traits::kWide) {
-                Mainloop::compute_wide(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb,
-                                       bidh, g, acc_dk, acc_dv);
-            } else {
-                Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
-                                  acc_dk, acc_dv);
-            }
+            Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
+                              acc_dk, acc_dv);
         }
         Epilogue::store(p, seq, bidh, g, acc_dk, acc_dv);
     }

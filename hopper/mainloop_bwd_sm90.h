@@ -217,8 +217,9 @@ struct Sm90BwdMainloop {
     // ---------------------------------------------------------------- consumer ----
 
     // Runs the tile's query loop for this consumer warp group: acc_dk, acc_dv get the group's 64
-    // key rows of dK (not yet scaled by softmax_scale) and dV; each query tile's dQ goes to the
-    // shared buffer that the dQ warp reduces into the accumulator.
+    // key rows of dK (not yet scaled by softmax_scale) and dV (the wide tile: its half of d's
+    // columns of all the tile's rows); each query tile's dQ goes to the shared buffer that the
+    // dQ warp reduces into the accumulator.
     template <class AccKV>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::QPipe& q_pipe,
@@ -265,200 +266,157 @@ struct Sm90BwdMainloop {
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
 
-        const int group = consumer_group();
-        constexpr int kPairThreads = Traits::kConsumerThreads;  // a group's barrier with the other
-        auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
+        if constexpr (Traits::kWide) {
+            // Both groups share the 64 key rows. In a step each group computes its half of
+            // S^T's and dP^T's query columns and writes its columns of P^T and dS^T to shared
+            // memory; after a barrier of both groups it adds all of P^T dO and dS^T Q to its
+            // half of d's columns of dV and dK (acc_dv, acc_dk), then computes its half of dQ's
+            // columns.
+            const int group = consumer_group();
+            Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
+            auto step = [&](int m, auto softcap) {
+                constexpr bool kSoftcap = decltype(softcap)::value;
+                const int m0 = m * kBlockM;
+                const int q_stage = q_state.index();
+                const int do_stage = do_state.index();
+                // dS^T in slot `buffer`, P^T in slot kDsBuffers + buffer.
+                const int buffer = (m - g.m_first) % Traits::kDsBuffers;
+                Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+                Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+                Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
+                Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
 
-        // dQ of query tile m = dS K, from both groups' rows of dS^T(m) (the other group's once
-        // it has signalled them), to shared memory for the dQ warp. Its wait for every GEMM
-        // issued also completes the calling step's dV and dK.
-        auto dq_step = [&](int m) {
-            barrier_sync(ds_full(1 - group, ds_buffer(m)), kPairThreads);
-            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
-            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
-            warpgroup_wait<0>();
-            store_dq(acc_dq, ss, ctid, group);
-        };
-
-        // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
-        // GEMM is issued before dS^T is computed. With it, dS^T needs d tanh / d x = 1 - t^2 of
-        // each score, so P^T and dS^T are computed together once both GEMMs are done (t is not
-        // kept across the dV GEMM: a second score tile of registers).
-        auto step = [&](int m, auto softcap) {
-            constexpr bool kSoftcap = decltype(softcap)::value;
-            const int m0 = m * kBlockM;
-            const int q_stage = q_state.index();
-            const int do_stage = do_state.index();
-            Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
-            Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
-            Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
-            Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
-
-            q_pipe.consumer_wait(q_state);
-            do_pipe.consumer_wait(do_state);
-            barrier_sync(group_turn(group), kPairThreads);
-            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
-            wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
-            barrier_arrive(group_turn(1 - group), kPairThreads);
-            if constexpr (kSoftcap) {
+                q_pipe.consumer_wait(q_state);
+                do_pipe.consumer_wait(do_state);
+                wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
+                wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
+                if constexpr (kSoftcap) {
+                    warpgroup_wait<0>();
+                } else {
+                    warpgroup_wait<1>();
+                }
+                const float* dsum = ss.dsum + do_stage * kBlockM;
+                tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
+                                     dsum, m0, g.n0);
+                if constexpr (!kSoftcap) {
+                    warpgroup_wait<0>();  // dP^T
+                    tile_grads(s_rc, dp_rc, cS_rc, dsum);
+                }
+                Tensor rP = convert_fragment<T>(acc_s);
+                Tensor rDs = convert_fragment<T>(acc_dp);
+                copy(typename Traits::StoreDs{}, store_ds.retile_S(rP),
+                     tDssDs(_, _, _, Traits::kDsBuffers + buffer));
+                copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, buffer));
+                cutlass::arch::fence_view_async_shared();
+                barrier_sync(BwdBarrier::kPdsFull, Traits::kConsumerThreads);
+                wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, Traits::kDsBuffers + buffer),
+                                   tKVrdOt(_, _, _, do_stage), acc_dv);
+                wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, buffer), tKVrQt(_, _, _, q_stage),
+                                   acc_dk);
                 warpgroup_wait<0>();
-            } else {
-                warpgroup_wait<1>();
-            }
-
-            tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
-                                 ss.dsum + do_stage * kBlockM, m0, g.n0);
-            Tensor rP = convert_fragment<T>(acc_s);
-            Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
-            wgmma_issue<false>(mma_kv, rP_a, tKVrdOt(_, _, _, do_stage), acc_dv);
-            if constexpr (!kSoftcap) {
-                warpgroup_wait<1>();  // dP^T
-                tile_grads(s_rc, dp_rc, cS_rc, ss.dsum + do_stage * kBlockM);
-            }
-            Tensor rDs = convert_fragment<T>(acc_dp);
-            Tensor rDs_a = make_tensor(rDs.data(), wgmma_acc_as_a_operand(rDs.layout()));
-            wgmma_issue<false>(mma_kv, rDs_a, tKVrQt(_, _, _, q_stage), acc_dk);
-
-            // This group's rows of dS^T(m) into the step's buffer, signalled to the other
-            // group, then dQ of the step before (whose dS^T the other group wrote half a step
-            // ago), so that neither group waits for the other here.
-            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs),
-                 tDssDs(_, _, _, ds_buffer(m)));
-            cutlass::arch::fence_view_async_shared();
-            barrier_arrive(ds_full(group, ds_buffer(m)), kPairThreads);
-            if (m > g.m_first) {
-                dq_step(m - 1);
-            } else {
+                // Q and dO are read for the last time: their one stage loads the next tile while dQ
+                // runs.
+                q_pipe.consumer_release(q_state);
+                do_pipe.consumer_release(do_state);
+                ++q_state;
+                ++do_state;
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+                wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, buffer), tDqrKt, acc_dq);
                 warpgroup_wait<0>();
-            }
-            q_pipe.consumer_release(q_state);
-            do_pipe.consumer_release(do_state);
-            ++q_state;
-            ++do_state;
-        };
+                store_dq(acc_dq, ss, ctid, group);
+            };
 
-        ss.kv_full.wait(0);
-        // Group 0 takes the first turn.
-        if (group == 1) barrier_arrive(group_turn(0), kPairThreads);
-        if (p.softcap > 0.f) {
-            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
+            ss.kv_full.wait(0);
+            if (p.softcap > 0.f) {
+                for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
+            } else {
+                for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
+            }
         } else {
-            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
-        }
-        dq_step(g.m_last - 1);
-        // The turn that the last step handed over is taken, so both turn barriers end clear.
-        if (group == 0) barrier_sync(group_turn(0), kPairThreads);
-    }
+            const int group = consumer_group();
+            // A group's barrier with the other.
+            constexpr int kPairThreads = Traits::kConsumerThreads;
+            auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
 
-    // The wide tile's query loop (Traits::kWide): both groups share the 64 key rows. In a step
-    // each group computes its half of S^T's and dP^T's query columns and writes its columns of
-    // P^T and dS^T to shared memory; after a barrier of both groups it adds all of P^T dO and
-    // dS^T Q to its half of d's columns of dV and dK (acc_dv, acc_dk), then computes its half
-    // of dQ's columns.
-    template <class AccKV>
-    static __device__ void compute_wide(Args const& a, SharedStorage& ss,
-                                        typename Traits::QPipe& q_pipe,
-                                        typename Traits::DoPipe& do_pipe, PipeState& q_state,
-                                        PipeState& do_state, SeqInfo const& seq, int bidb,
-                                        int bidh, Sm90BwdGeometry const& g, AccKV& acc_dk,
-                                        AccKV& acc_dv) {
-        static_assert(Traits::kWide);
-        BwdParams const& p = a.p;
-        const int ctid = int(threadIdx.x) - kWarpGroupThreads;
-        const int group = consumer_group();
-        const BandMask mask = seq.mask(p);
-
-        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
-        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
-        Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
-        Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
-        Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
-        Tensor sDs = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDs{});
-        Tensor sDsT = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDsT{});
-
-        typename Traits::MmaSdP mma_sdp;
-        typename Traits::MmaKV mma_kv;
-        typename Traits::MmaDq mma_dq;
-        auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-        auto thr_kv = mma_kv.get_thread_slice(ctid);
-        auto thr_dq = mma_dq.get_thread_slice(ctid);
-        Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, 1, d/16)
-        Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-        Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, d/16, stages)
-        Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-        Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
-        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
-        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, slots)
-        Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
-
-        auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
-        Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, slots)
-        Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
-        Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
-
-        AlibiBias bias{};
-        if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
-
-        auto step = [&](int m, auto softcap) {
-            constexpr bool kSoftcap = decltype(softcap)::value;
-            const int m0 = m * kBlockM;
-            const int q_stage = q_state.index();
-            const int do_stage = do_state.index();
-            // dS^T in slot `buffer`, P^T in slot kDsBuffers + buffer.
-            const int buffer = (m - g.m_first) % Traits::kDsBuffers;
-            Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
-            Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
-            Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
-            Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
-
-            q_pipe.consumer_wait(q_state);
-            do_pipe.consumer_wait(do_state);
-            wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
-            wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
-            if constexpr (kSoftcap) {
+            // dQ of query tile m = dS K, from both groups' rows of dS^T(m) (the other group's once
+            // it has signalled them), to shared memory for the dQ warp. Its wait for every GEMM
+            // issued also completes the calling step's dV and dK.
+            auto dq_step = [&](int m) {
+                barrier_sync(ds_full(1 - group, ds_buffer(m)), kPairThreads);
+                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+                wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
                 warpgroup_wait<0>();
-            } else {
-                warpgroup_wait<1>();
-            }
-            const float* dsum = ss.dsum + do_stage * kBlockM;
-            tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
-                                 dsum, m0, g.n0);
-            if constexpr (!kSoftcap) {
-                warpgroup_wait<0>();  // dP^T
-                tile_grads(s_rc, dp_rc, cS_rc, dsum);
-            }
-            Tensor rP = convert_fragment<T>(acc_s);
-            Tensor rDs = convert_fragment<T>(acc_dp);
-            copy(typename Traits::StoreDs{}, store_ds.retile_S(rP),
-                 tDssDs(_, _, _, Traits::kDsBuffers + buffer));
-            copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs), tDssDs(_, _, _, buffer));
-            cutlass::arch::fence_view_async_shared();
-            barrier_sync(BwdBarrier::kPdsFull, Traits::kConsumerThreads);
-            wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, Traits::kDsBuffers + buffer),
-                               tKVrdOt(_, _, _, do_stage), acc_dv);
-            wgmma_issue<false>(mma_kv, tKVsPds(_, _, _, buffer), tKVrQt(_, _, _, q_stage),
-                               acc_dk);
-            warpgroup_wait<0>();
-            // Q and dO are read for the last time: their one stage loads the next tile while dQ
-            // runs.
-            q_pipe.consumer_release(q_state);
-            do_pipe.consumer_release(do_state);
-            ++q_state;
-            ++do_state;
-            Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
-            wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, buffer), tDqrKt, acc_dq);
-            warpgroup_wait<0>();
-            store_dq(acc_dq, ss, ctid, group);
-        };
+                store_dq(acc_dq, ss, ctid, group);
+            };
 
-        ss.kv_full.wait(0);
-        if (p.softcap > 0.f) {
-            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
-        } else {
-            for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
+            // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
+            // GEMM is issued before dS^T is computed. With it, dS^T needs d tanh / d x = 1 - t^2 of
+            // each score, so P^T and dS^T are computed together once both GEMMs are done (t is not
+            // kept across the dV GEMM: a second score tile of registers).
+            auto step = [&](int m, auto softcap) {
+                constexpr bool kSoftcap = decltype(softcap)::value;
+                const int m0 = m * kBlockM;
+                const int q_stage = q_state.index();
+                const int do_stage = do_state.index();
+                Tensor acc_s = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+                Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<BN, BM>{});
+                Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
+                Tensor dp_rc = make_tensor(acc_dp.data(), wgmma_acc_as_rows_cols(acc_dp.layout()));
+
+                q_pipe.consumer_wait(q_state);
+                do_pipe.consumer_wait(do_state);
+                barrier_sync(group_turn(group), kPairThreads);
+                wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, q_stage), acc_s);
+                wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, do_stage), acc_dp);
+                barrier_arrive(group_turn(1 - group), kPairThreads);
+                if constexpr (kSoftcap) {
+                    warpgroup_wait<0>();
+                } else {
+                    warpgroup_wait<1>();
+                }
+
+                tile_probs<kSoftcap>(s_rc, dp_rc, cS_rc, p, mask, bias, ss.lse + q_stage * kBlockM,
+                                     ss.dsum + do_stage * kBlockM, m0, g.n0);
+                Tensor rP = convert_fragment<T>(acc_s);
+                Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+                wgmma_issue<false>(mma_kv, rP_a, tKVrdOt(_, _, _, do_stage), acc_dv);
+                if constexpr (!kSoftcap) {
+                    warpgroup_wait<1>();  // dP^T
+                    tile_grads(s_rc, dp_rc, cS_rc, ss.dsum + do_stage * kBlockM);
+                }
+                Tensor rDs = convert_fragment<T>(acc_dp);
+                Tensor rDs_a = make_tensor(rDs.data(), wgmma_acc_as_a_operand(rDs.layout()));
+                wgmma_issue<false>(mma_kv, rDs_a, tKVrQt(_, _, _, q_stage), acc_dk);
+
+                // This group's rows of dS^T(m) into the step's buffer, signalled to the other
+                // group, then dQ of the step before (whose dS^T the other group wrote half a step
+                // ago), so that neither group waits for the other here.
+                copy(typename Traits::StoreDs{}, store_ds.retile_S(rDs),
+                     tDssDs(_, _, _, ds_buffer(m)));
+                cutlass::arch::fence_view_async_shared();
+                barrier_arrive(ds_full(group, ds_buffer(m)), kPairThreads);
+                if (m > g.m_first) {
+                    dq_step(m - 1);
+                } else {
+                    warpgroup_wait<0>();
+                }
+                q_pipe.consumer_release(q_state);
+                do_pipe.consumer_release(do_state);
+                ++q_state;
+                ++do_state;
+            };
+
+            ss.kv_full.wait(0);
+            // Group 0 takes the first turn.
+            if (group == 1) barrier_arrive(group_turn(0), kPairThreads);
+            if (p.softcap > 0.f) {
+                for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::true_type{});
+            } else {
+                for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
+            }
+            dq_step(g.m_last - 1);
+            // The turn that the last step handed over is taken, so both turn barriers end clear.
+            if (group == 0) barrier_sync(group_turn(0), kPairThreads);
         }
     }
 
