@@ -43,11 +43,11 @@ def per_call_us(fn: Callable[[], object], iters: int) -> float:
 def extension_fwd(ext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   causal: bool) -> Callable[[], object]:
     """The extension's forward op alone, as flash_attn.ops calls it. Builds whose `fwd` still
-    takes the preallocated `out` (the pybind11 binding) get it as None."""
+    takes the preallocated `out` (the pybind11 binding: a plain function, not a torch op or
+    op overload) get it as None."""
     s_q, s_k, d = q.shape[1], k.shape[1], q.shape[-1]
     args = [q, k, v, None, None, None, s_q, s_k, d ** -0.5, causal, -1, 0 if causal else -1, 0.0]
-    schema = getattr(getattr(ext.fwd, "default", None), "_schema", None)
-    if schema is None:
+    if not isinstance(ext.fwd, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         args.insert(3, None)
     return lambda: ext.fwd(*args)
 

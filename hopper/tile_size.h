@@ -56,7 +56,8 @@ struct Sm90BwdTile {
     // copy of the loop without the mask's test for the tiles that need none.
     bool mask_pass;
     // Two consumer groups on one 64-row K/V tile, each holding half of d's columns of dK and dV
-    // (the `wide` mainloop), where a group's 64 rows of dK and dV would not fit its registers.
+    // (the consumer mainloop's kWide branch), where a group's 64 rows of dK and dV would not fit
+    // its registers.
     bool wide = false;
 };
 
