@@ -161,8 +161,10 @@ def _worker(rank: int, world: int, init_file: str, out_file: str,
         key, _, value = kv.partition("=")
         os.environ[key] = value
     torch.cuda.set_device(rank)
+    import flash_attn.ring_attention as ring_attention
+
+    ring_attention._TRANSPORT = args.transport
     if args.sm_margin is not None:
-        import flash_attn.ring_attention as ring_attention
         ring_attention._SM_MARGIN = args.sm_margin
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
@@ -202,7 +204,10 @@ def main() -> None:
                         "module's _SM_MARGIN), for an A/B")
     p.add_argument("--breakdown", action="store_true",
                    help="also time one non-causal ring step's exchange and kernel, alone and "
-                        "together, forward and backward")
+                        "together, forward and backward (the exchange by NCCL whatever "
+                        "--transport says)")
+    p.add_argument("--transport", choices=["nccl", "copy_engine"], default="nccl",
+                   help="how K/V and dK/dV go round the ring (flash_attn.ring_attention)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="record one fwd+bwd call per rank with torch.profiler into DIR")
     p.add_argument("--env", action="append", default=[], metavar="NCCL_X=Y",
@@ -235,7 +240,8 @@ def main() -> None:
 
     name = torch.cuda.get_device_name()
     print(f"Ring attention, {args.world} x {name}, bf16, batch 1, {args.nheads} heads, "
-          f"d{args.hdim}, zigzag; one-GPU baseline at seqlen / {args.world}")
+          f"d{args.hdim}, zigzag, transfers by {args.transport}; one-GPU baseline at "
+          f"seqlen / {args.world}")
     print()
     print("| total seqlen | causal | pass | ring ms | ring TFLOP/s per GPU | 1 GPU at seqlen/N ms "
           "| 1 GPU TFLOP/s | ratio |")

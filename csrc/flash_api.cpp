@@ -4,6 +4,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>
 #include <cutlass/version.h>
 #include <torch/extension.h>
 
@@ -825,6 +826,40 @@ pybind11::dict build_info() {
     return info;
 }
 
+// Stream memory operations for ring attention's copy-engine transfers: the current stream
+// waits until a 32-bit word in device memory reaches a value, or writes one (after the work
+// before it). Neither occupies an SM, which a spinning kernel would take from the attention
+// kernels; the word may be a peer GPU's, mapped into this device's address space. The driver
+// functions come through the runtime's entry-point query, so the extension needs no libcuda
+// at link time.
+using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+StreamValue32Fn driver_stream_value32(const char* name) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status);
+    TORCH_CHECK(err == cudaSuccess && status == cudaDriverEntryPointSuccess && fn != nullptr,
+                "flash_attn: the CUDA driver does not provide ", name);
+    return reinterpret_cast<StreamValue32Fn>(fn);
+}
+
+void stream_value32(const at::Tensor& word, int64_t value, bool wait) {
+    TORCH_CHECK(word.is_cuda() && word.scalar_type() == at::kInt && word.numel() == 1,
+                "flash_attn: stream_value32 takes a CUDA int32 tensor of one element");
+    static const StreamValue32Fn wait_fn = driver_stream_value32("cuStreamWaitValue32");
+    static const StreamValue32Fn write_fn = driver_stream_value32("cuStreamWriteValue32");
+    const CUstream stream = at::cuda::getCurrentCUDAStream(word.device().index()).stream();
+    const auto address = reinterpret_cast<CUdeviceptr>(word.data_ptr());
+    const auto v = static_cast<cuuint32_t>(value);
+    // GEQ compares (int32)(*word - value) >= 0, so counters may wrap.
+    const CUresult r = wait ? wait_fn(stream, address, v, CU_STREAM_WAIT_VALUE_GEQ)
+                            : write_fn(stream, address, v, CU_STREAM_WRITE_VALUE_DEFAULT);
+    TORCH_CHECK(r == CUDA_SUCCESS, "flash_attn: ",
+                wait ? "cuStreamWaitValue32" : "cuStreamWriteValue32", " failed with CUresult ",
+                int(r));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention kernels (CUDA)";
     namespace py = pybind11;
@@ -856,4 +891,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("device"));
     m.def("take_bad_input", &take_bad_input,
           "a device's bad-input word, atomically swapped for 0", py::arg("device"));
+    m.def("stream_value32", &stream_value32,
+          "the current stream waits until word >= value (wait) or writes value to word",
+          py::arg("word"), py::arg("value"), py::arg("wait"));
 }

@@ -12,6 +12,9 @@ waited for after it, so they overlap: with NCCL the transfers run on NCCL's own 
 ``wait()`` makes the compute stream wait for them; with gloo they run on gloo's threads.
 NCCL's transfer kernel needs SMs of its own: while a transfer is in flight the SM90 forward,
 whose persistent grid otherwise holds every SM, is launched with ``_SM_MARGIN`` SMs left free.
+With ``FLASH_ATTN_RING_TRANSPORT=copy_engine`` (CUDA, the ranks on one host) the transfers go
+by the GPUs' copy engines into symmetric memory instead, and take no SM
+(:class:`_CopyEngineRing`).
 
 Sharding (``zigzag``):
 
@@ -39,8 +42,10 @@ reference op rounds softmax_lse to float32 and its backward recomputes a block-l
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import List, Optional, Tuple
+import os
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -317,7 +322,8 @@ def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
 
 
 class _Ring:
-    """Sends to the next rank and receives from the previous one, asynchronously."""
+    """Sends to the next rank and receives from the previous one, asynchronously, by
+    ``batch_isend_irecv`` (NCCL's kernels on GPUs, gloo's threads on CPU)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int):
         self.group = group
@@ -328,10 +334,17 @@ class _Ring:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def exchange(self, x: Tensor, tag: int) -> Tuple[list, Tensor]:
+    def margin(self, sending: bool) -> int:
+        """SMs the forward leaves free while a transfer is in flight: NCCL's kernel needs them."""
+        return _SM_MARGIN if sending else 0
+
+    def reserve(self, tag: int, nbytes: int) -> None:
+        """Room for messages of ``nbytes`` on channel ``tag`` (collective; nothing to do here)."""
+
+    def exchange(self, x: Tensor, tag: int) -> Tuple[object, Tensor]:
         """Start sending ``x`` to the next rank and receiving a tensor like it from the previous
-        one; returns (requests, receive buffer). ``x`` must not change until the requests are
-        waited for."""
+        one; returns (handle, receive buffer). ``x`` must not change until the handle is waited
+        for; the buffer holds the message once it is, until the handle is released."""
         buf = torch.empty_like(x)
         reqs = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, x, self.next, self.group, tag),
@@ -339,10 +352,151 @@ class _Ring:
         ])
         return reqs, buf
 
+    def wait(self, handle: object) -> None:
+        """Make the current stream wait for the exchange (and for ``x``'s send)."""
+        for r in handle:
+            r.wait()
 
-def _wait(reqs: list) -> None:
-    for r in reqs:
-        r.wait()
+    def release(self, handle: object) -> None:
+        """The exchange's receive buffer is no longer read, nor sent on (call after the
+        exchange that sends it on, and after the kernels that read it, have been issued)."""
+
+
+class _CopyEngineRing(_Ring):
+    """The ring over NVLink by the GPUs' copy engines, for CUDA tensors on one host.
+
+    Each rank writes its message straight into the next rank's receive slot: symmetric memory
+    (torch.distributed._symmetric_memory) maps the next rank's slots into this rank's address
+    space, and torch's copy of a contiguous tensor is a cudaMemcpyAsync, which the copy
+    engines run. Streams order the copies with 32-bit words written and waited for by stream
+    memory operations (``_C.stream_value32``). Neither takes an SM: NCCL's transfer kernel
+    needs SMs, which the SM90 forward's persistent grid holds (a step with both took 17.4 ms
+    against 12.3 for the kernel alone; leaving 8 SMs to NCCL costs the kernel about 9%), and
+    in the backward a transfer kernel queued behind an attention kernel's CTAs started only at
+    that kernel's tail (4 x H100, 2026-11-27).
+
+    Two slots per channel (K/V, dK/dV). Exchange number t of a channel goes to slot t % 2 once
+    the next rank has released exchange t - 2 (it writes t - 2 into this rank's ``freed``
+    word), and then writes t into the next rank's ``arrived`` word, for which the receiver's
+    stream waits. Every rank issues the same exchanges in the same order, so t agrees between
+    ranks; the words keep counting from call to call."""
+
+    _WORDS = 8  # arrived[channel][slot], then freed[channel][slot]
+    _ALIGN = 256
+
+    def __init__(self, group: Optional[dist.ProcessGroup], world: int, rank: int,
+                 device: torch.device):
+        super().__init__(group, world, rank)
+        self.pg = group or dist.group.WORLD  # the process group this ring's memory is bound to
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.capacity = [0, 0]  # bytes per slot, per channel
+        self.count = [0, 0]     # exchanges issued per channel
+        self.mem: Optional[Tensor] = None
+        self.next_mem: Optional[Tensor] = None
+        self.prev_mem: Optional[Tensor] = None
+        self.handle = None
+
+    def margin(self, sending: bool) -> int:
+        return 0
+
+    def _words(self, mem: Tensor) -> Tensor:
+        return mem[:self._WORDS * 4].view(torch.int32)
+
+    def _slot(self, mem: Tensor, channel: int, slot: int, like: Tensor) -> Tensor:
+        off = self._ALIGN + 2 * self.capacity[0] * channel + self.capacity[channel] * slot
+        nbytes = like.numel() * like.element_size()
+        return mem[off:off + nbytes].view(like.dtype).view(like.shape)
+
+    def reserve(self, tag: int, nbytes: int) -> None:
+        channel = 0 if tag == _TAG_KV else 1
+        if nbytes <= self.capacity[channel]:
+            return
+        # No multicast objects: the slots are only copied to, and some machines forbid them.
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        # Every rank gets here at the same exchange (the shards' shapes agree), so the
+        # reallocation is collective; nothing may still write into the old slots.
+        barrier = functools.partial(dist.barrier, group=self.group,
+                                    device_ids=[self.device.index])
+        torch.cuda.synchronize(self.device)
+        barrier()
+        if symm_mem.get_backend(self.device) != "CUDA":
+            # The driver's own peer mappings (cuMem); NVSHMEM or NCCL windows would need setup
+            # of their own. Raises if another backend has already allocated.
+            symm_mem.set_backend("CUDA")
+        self.mem = self.next_mem = self.prev_mem = self.handle = None
+        capacity = list(self.capacity)
+        capacity[channel] = -(-nbytes // self._ALIGN) * self._ALIGN
+        total = self._ALIGN + 2 * sum(capacity)
+        mem = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self._words(mem).zero_()
+        handle = symm_mem.rendezvous(mem, self.pg)
+        self.next_mem = handle.get_remote_tensor((self.rank + 1) % self.world, (total,),
+                                                 torch.uint8)
+        self.prev_mem = handle.get_remote_tensor((self.rank - 1) % self.world, (total,),
+                                                 torch.uint8)
+        self.mem, self.handle, self.capacity, self.count = mem, handle, capacity, [0, 0]
+        torch.cuda.synchronize(self.device)
+        barrier()
+
+    def exchange(self, x: Tensor, tag: int) -> Tuple[object, Tensor]:
+        channel = 0 if tag == _TAG_KV else 1
+        self.count[channel] += 1
+        t = self.count[channel]
+        slot = t % 2
+        value32 = ops.load_extension().stream_value32
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            if t > 2:
+                value32(self._words(self.mem)[4 + 2 * channel + slot:][:1], t - 2, True)
+            self._slot(self.next_mem, channel, slot, x).copy_(x)
+            value32(self._words(self.next_mem)[2 * channel + slot:][:1], t, False)
+        x.record_stream(self.stream)
+        return (channel, t), self._slot(self.mem, channel, slot, x)
+
+    def wait(self, handle: object) -> None:
+        channel, t = handle
+        with torch.cuda.device(self.device):
+            ops.load_extension().stream_value32(
+                self._words(self.mem)[2 * channel + t % 2:][:1], t, True)
+
+    def release(self, handle: object) -> None:
+        channel, t = handle
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            ops.load_extension().stream_value32(
+                self._words(self.prev_mem)[4 + 2 * channel + t % 2:][:1], t, False)
+
+
+# One copy-engine ring per (process group, device): its words keep counting across calls. A
+# group destroyed and created again is another object, whose ring starts afresh.
+_COPY_RINGS: Dict[Tuple[str, int], _CopyEngineRing] = {}
+# Overrides FLASH_ATTN_RING_TRANSPORT when set (the tests and benchmark_ring.py's --transport).
+_TRANSPORT: Optional[str] = None
+_TRANSPORTS = ("nccl", "copy_engine")
+
+
+def _transport() -> str:
+    """"nccl" (the default: any process group) or "copy_engine" (CUDA, the ranks on one host;
+    measured faster on 4 x H100, and opt-in because it needs symmetric memory)."""
+    name = _TRANSPORT or os.environ.get("FLASH_ATTN_RING_TRANSPORT", "nccl")
+    if name not in _TRANSPORTS:
+        raise ValueError(f"FLASH_ATTN_RING_TRANSPORT={name!r}: expected one of {_TRANSPORTS}")
+    return name
+
+
+def _make_ring(group: Optional[dist.ProcessGroup], world: int, rank: int,
+               device: torch.device) -> _Ring:
+    transport = _transport()
+    if device.type != "cuda" or transport != "copy_engine":
+        return _Ring(group, world, rank)
+    pg = group or dist.group.WORLD
+    key = (pg.group_name, device.index)
+    if key not in _COPY_RINGS or _COPY_RINGS[key].pg is not pg:
+        _COPY_RINGS[key] = _CopyEngineRing(group, world, rank, device)
+    return _COPY_RINGS[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,6 +536,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
     acc_lse = torch.full((b, h, s), float("-inf"), dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
+    ring.reserve(_TAG_KV, kv.numel() * kv.element_size())
+    held = None  # the handle of the exchange that brought kv
     touched = torch.zeros(s, dtype=torch.bool)  # rows some partial has reached (host side)
     for step in range(ring.world):
         sending = step < ring.world - 1
@@ -390,13 +546,16 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
         owner = (ring.rank - step) % ring.world
         for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
-                                blk, softcap, _SM_MARGIN if sending else 0)
+                                blk, softcap, ring.margin(sending))
             fresh = not bool(touched[blk.rows].any())
             _merge(acc_out, acc_lse, blk.rows, o, lse, fresh)
             touched[blk.rows] = True
         if sending:
-            _wait(reqs)
-            kv = kv_next
+            ring.wait(reqs)
+        if held is not None:
+            ring.release(held)
+        if sending:
+            kv, held = kv_next, reqs
     # The kernels' convention for rows that keep no key: out 0 (already), lse +inf.
     acc_lse = torch.where(acc_lse == float("-inf"), torch.full_like(acc_lse, float("inf")),
                           acc_lse)
@@ -411,7 +570,10 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
-    dkv_reqs: list = []
+    ring.reserve(_TAG_KV, kv.numel() * kv.element_size())
+    ring.reserve(_TAG_DKV, kv.numel() * torch.empty((), dtype=cdt).element_size())
+    kv_held = None  # the handle of the exchange that brought kv
+    dkv_reqs: object = None
     dkv_in: Optional[Tensor] = None
     for step in range(ring.world):
         if step < ring.world - 1:
@@ -431,18 +593,28 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         if dkv_in is None:
             part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
         else:
-            _wait(dkv_reqs)
+            ring.wait(dkv_reqs)
             part = dkv_in
         for cols, g_k, g_v in grads:
             part[0][:, cols] += g_k
             part[1][:, cols] += g_v
+        part_held = dkv_reqs
         dkv_reqs, dkv_in = ring.exchange(part, _TAG_DKV)
+        if part_held is not None:
+            ring.release(part_held)
         if step < ring.world - 1:
-            _wait(kv_reqs)
-            kv = kv_next
+            ring.wait(kv_reqs)
+        if kv_held is not None:
+            ring.release(kv_held)
+        if step < ring.world - 1:
+            kv, kv_held = kv_next, kv_reqs
     # After the last step each accumulator takes one more hop, to the owner of its block.
-    _wait(dkv_reqs)
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+    ring.wait(dkv_reqs)
+    # Copies: dkv_in is a receive buffer, released below.
+    dq = dq.to(q.dtype)
+    dk, dv = dkv_in[0].to(k.dtype, copy=True), dkv_in[1].to(v.dtype, copy=True)
+    ring.release(dkv_reqs)
+    return dq, dk, dv
 
 
 class _RingFlashAttnFunc(torch.autograd.Function):
@@ -450,6 +622,11 @@ class _RingFlashAttnFunc(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
                 zigzag: bool, scale: float, left: float, right: float, softcap: float,
                 deterministic: bool) -> Tuple[Tensor, Tensor]:
+        if any(ctx.needs_input_grad[:3]):
+            # The dK/dV channel's room now rather than in the backward, where every rank would
+            # stop for a collective reallocation.
+            cdt = reference._compute_dtype(q, k, v)
+            ring.reserve(_TAG_DKV, 2 * k.numel() * torch.empty((), dtype=cdt).element_size())
         out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic)
@@ -577,8 +754,9 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
     left = math.inf if window_size[0] < 0 else window_size[0]
     right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return _RingFlashAttnFunc.apply(q, k, v, _Ring(group, world, rank), seqlens, zigzag, scale,
-                                    left, right, float(softcap), deterministic)
+    ring = _make_ring(group, world, rank, q.device)
+    return _RingFlashAttnFunc.apply(q, k, v, ring, seqlens, zigzag, scale, left, right,
+                                    float(softcap), deterministic)
 
 
 def ring_flash_attn_func(

@@ -253,6 +253,17 @@ def test_backend_device_rule():
     assert _backend_error(torch.device("cuda"), "cpu:gloo,cuda:nccl") is None
 
 
+def test_transport_setting(monkeypatch):
+    from flash_attn.ring_attention import _transport
+    monkeypatch.delenv("FLASH_ATTN_RING_TRANSPORT", raising=False)
+    assert _transport() == "nccl"
+    monkeypatch.setenv("FLASH_ATTN_RING_TRANSPORT", "copy_engine")
+    assert _transport() == "copy_engine"
+    monkeypatch.setenv("FLASH_ATTN_RING_TRANSPORT", "shm")
+    with pytest.raises(ValueError, match="FLASH_ATTN_RING_TRANSPORT='shm'"):
+        _transport()
+
+
 def test_window_blocks_cover_the_band():
     # Every (query chunk, key chunk) pair's sub-block, masked as the kernel masks it, equals the
     # global window restricted to the pair.

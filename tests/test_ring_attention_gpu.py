@@ -9,6 +9,7 @@ float64 attention on the full sequence.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -137,7 +138,10 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_error(name, world, rank)
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker(transport: str, rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import flash_attn.ring_attention as ring_attention
+
+    ring_attention._TRANSPORT = transport
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
@@ -150,12 +154,19 @@ def _worlds() -> list:
     return [w for w in (2, 4) if w <= n] or [2]
 
 
-@pytest.fixture(scope="module", params=_worlds(), ids=lambda w: f"world{w}")
+# The transfers by NCCL's kernels, and by the copy engines (flash_attn.ring_attention's
+# _CopyEngineRing).
+TRANSPORTS = ("nccl", "copy_engine")
+
+
+@pytest.fixture(scope="module", params=[(w, t) for w in _worlds() for t in TRANSPORTS],
+                ids=lambda p: f"world{p[0]}-{p[1]}")
 def ring_results(request, tmp_path_factory):
-    world = request.param
+    world, transport = request.param
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
-    return spawn_ranks(_worker, world, tmp_path_factory.mktemp(f"ring_gpu{world}"))
+    return spawn_ranks(functools.partial(_worker, transport), world,
+                       tmp_path_factory.mktemp(f"ring_gpu{world}_{transport}"))
 
 
 @pytest.mark.parametrize("name", ALL_CASES)
