@@ -467,15 +467,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
     }
     at::cuda::CUDAGuard guard(q_in.device());
     const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
-    // The SM90 kernels read a paged K/V whose pages hold whole key blocks (the band kernel's
-    // block_n) by TMA; other page sizes, and a left pad with pages (which moves the blocks off
-    // the page boundaries), run on the SM80 kernels, which gather a paged block row by row. So
-    // does dropout, which only they draw.
-    const int tier = flash::headdim_tier(int(pb.headdim));
+    // The SM90 kernels read a paged K/V by TMA, a key block at a time where pages hold whole
+    // key blocks, else in boxes of 8 rows (a swizzle atom's height); pages of other sizes, and a
+    // left pad with pages (which moves the rows off those boundaries), run on the SM80 kernels,
+    // which gather a paged block row by row. So does dropout, which only they draw.
     const bool sm90_ok =
         dropout_p <= 0.0 &&
-        (pb.page_size == 0 || (pb.page_size % flash::sm90_fwd_tile(tier, true).block_n == 0 &&
-                               !leftpad_k.has_value()));
+        (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 

@@ -706,9 +706,9 @@ flash_attn_with_kvcache.__doc__ = """
             r of sequence b is row r % page_block_size of page block_table[b, r //
             page_block_size]; the cache's length is max_num_blocks_per_seq * page_block_size.
             Not with cache_batch_idx. Pages of any size >= 1 are read in place: on the Hopper
-            kernels where the page is a multiple of their key block (128 for headdim <= 128,
-            96 to 192, 80 to 256) and cache_leftpad is not given, else on the SM80 kernels,
-            which gather a key block row by row.""" + _SCORE_ARGS_DOC + """
+            kernels where the page is a multiple of 8 rows and cache_leftpad is not given
+            (fastest where it holds whole key blocks: 128 rows for headdim <= 128, 96 to 192,
+            80 to 256), else on the SM80 kernels, which gather a key block row by row.""" + _SCORE_ARGS_DOC + """
         rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +

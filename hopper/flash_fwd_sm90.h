@@ -330,6 +330,8 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
                       typename Traits::SmemLayoutQ{}, Shape<BM, D>{}, _1{}),
         Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride)),
         Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride)),
+        Traits::make_tma_kv_rows8(gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride)),
+        Traits::make_tma_kv_rows8(gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride)),
         make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, batch, p.o_stride),
                       typename Traits::SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}),
         rows_q,

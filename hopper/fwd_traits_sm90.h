@@ -109,6 +109,16 @@ struct Sm90FwdTraits {
                              Int<kClusterM>{});
     }
     using TmaKV = decltype(make_tma_kv(std::declval<GmemTensor>()));
+    // A paged K/V whose pages do not hold whole key blocks: each key block in boxes of 8 rows,
+    // each box from its own page. 8 rows are a swizzle atom's height, so a box lands on whole
+    // atoms of the stage, at the same swizzle phase as the stage's first 8 rows.
+    using SmemLayoutKVRows8 = decltype(composition(
+        take<0, 2>(SmemLayoutKV{}), make_layout(Shape<_8, D>{}, make_stride(_1{}, BN{}))));
+    template <class Gmem>
+    static auto make_tma_kv_rows8(Gmem const& gmem) {
+        return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVRows8{}, Shape<_8, D>{}, _1{});
+    }
+    using TmaKVRows8 = decltype(make_tma_kv_rows8(std::declval<GmemTensor>()));
 
     // The output leaves through shared memory and a TMA store (batched tiles, d >= 128; the
     // others write from registers). Each consumer group stages its 64 x d slice of O in
@@ -190,6 +200,8 @@ struct Sm90FwdArgs {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
+    typename Traits::TmaKVRows8 tma_k_rows8;  // paged K/V in pages that are not whole blocks
+    typename Traits::TmaKVRows8 tma_v_rows8;
     typename Traits::TmaO tma_o;
     // Extents of the TMA views (see GmemShape): varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch_q, batch_k;
