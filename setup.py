@@ -1,7 +1,10 @@
 """Build script for flash_attn.
 
 One CUDA extension, ``flash_attn._C``, is built when torch has CUDA and nvcc is found;
-otherwise only the pure-Python package is installed and a notice says why.
+otherwise only the pure-Python package is installed and a notice says why. The extension is on
+PyTorch's stable C ABI (docs/stable_abi.md): it needs only torch's stable headers and C
+functions, so with FLASH_ATTN_BUILD_WITH_CPU_TORCH=1 a CPU-only torch builds it too (nvcc and
+the CUDA runtime from the toolkit), for checks without a GPU.
 See docs/INTERNALS.md ("Build flags") and README.md ("Build flags") for the knobs.
 
 Debugging aid: ``FLASH_ATTN_PRINT_BUILD_PLAN=1 python setup.py --version`` prints the
@@ -10,6 +13,7 @@ selected sources and the exact per-group compiler flags without compiling anythi
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -27,6 +31,10 @@ EXT_NAME = "flash_attn._C"
 ALL_DTYPES = ("fp16", "bf16")
 DEFAULT_ARCHS = "80;90"
 SM90_ARCH = 90
+
+# The stable-ABI release the binding targets: built against a later torch, it still runs on this
+# one (torch/csrc/stable/version.h).
+TORCH_TARGET_VERSION = "0x020b000000000000"  # 2.11
 
 SM80_INST_DIR = "csrc/instantiations"
 SM90_INST_DIR = "hopper/instantiations"
@@ -161,10 +169,16 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
     # unique symbols), so that benchmarks/ab_builds.py can load several builds into one
     # process. GCC only; not for installs.
     ab_build = env_flag("FLASH_ATTN_AB_BUILD", env)
+    # The kernels' torch.ops namespace; an A/B build's is its own (from the tree's path), since
+    # one namespace cannot be registered twice in a process.
+    op_namespace = "flash_attn_cuda"
+    if ab_build:
+        op_namespace += "_ab_" + hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:10]
     directions = ["fwd", "bwd"] if backward else ["fwd"]
     with_sm90 = SM90_ARCH in archs
 
-    cxx_sources = [root / "csrc" / "flash_api.cpp"]
+    # The torch binding (stable ABI) and the pybind11 module flash_attn._C (no torch type).
+    cxx_sources = [root / "csrc" / "flash_api.cpp", root / "csrc" / "module.cpp"]
     # Kernels of csrc/common (the KV-cache update) run on every arch: built like the SM80 ones.
     sm80_sources = sorted((root / "csrc" / "common").glob("*.cu"))
     missing = []
@@ -191,15 +205,16 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
         "dtypes": dtypes,
         "backward": backward,
         "cxx_std": cxx_std,
+        "op_namespace": op_namespace,
         "cxx_sources": cxx_sources,
         "sm80_sources": sm80_sources,
         "sm90_sources": sm90_sources,
         "missing_sm80": missing,
         "missing_sm90": sm90_missing,
-        # The binding includes torch's headers, so it takes the C++ standard torch's
-        # cpp_extension passes (C++20 for current torch; C++17 there miscompiles c10 headers)
-        # unless FLASH_ATTN_CXX_STD names one. The kernels include no torch header.
-        "cxx_flags": ["-O3"]
+        # The binding includes torch's stable headers, so it takes the C++ standard torch's
+        # cpp_extension passes unless FLASH_ATTN_CXX_STD names one. The kernels include no
+        # torch header.
+        "cxx_flags": ["-O3", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
         + ([f"-std=c++{cxx_std}"] if env.get("FLASH_ATTN_CXX_STD") else [])
         + (["-fno-gnu-unique"] if ab_build else []),
         "nvcc_flags": nvcc_base_flags(cxx_std)
@@ -304,6 +319,26 @@ def _fix_cuda_home_env() -> None:
             return
 
 
+def _set_cuda_home_for_cpu_torch() -> None:
+    """torch's cpp_extension leaves CUDA_HOME None when torch has no CUDA; the stable-ABI build
+    with a CPU torch compiles the kernels with the toolkit's nvcc all the same, so it is set
+    from $CUDA_HOME / $CUDA_PATH, the nvcc on PATH or /usr/local/cuda."""
+    import shutil
+
+    import torch.utils.cpp_extension as cpp_ext
+
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").is_file():
+            os.environ["CUDA_HOME"] = c
+            cpp_ext.CUDA_HOME = c
+            return
+
+
 def cuda_build_decision() -> tuple[bool, str]:
     if env_flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
         return False, "FLASH_ATTN_SKIP_CUDA_BUILD=1 is set"
@@ -312,14 +347,20 @@ def cuda_build_decision() -> tuple[bool, str]:
     except Exception as e:  # pragma: no cover - depends on the environment
         return False, (f"torch is not importable here ({type(e).__name__}: {e}); install torch "
                        f"first and use `pip install --no-build-isolation`")
-    if torch.version.cuda is None:
+    cpu_torch = torch.version.cuda is None
+    if cpu_torch and not env_flag("FLASH_ATTN_BUILD_WITH_CPU_TORCH"):
         return False, (f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is "
-                       f"None)")
+                       f"None; FLASH_ATTN_BUILD_WITH_CPU_TORCH=1 builds the extension anyway)")
     _fix_cuda_home_env()
+    if cpu_torch:
+        _set_cuda_home_for_cpu_torch()
     from torch.utils.cpp_extension import CUDA_HOME
     if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").is_file():
         return False, (f"nvcc was not found (CUDA_HOME={CUDA_HOME}); set CUDA_HOME to the CUDA "
                        f"toolkit matching torch's CUDA {torch.version.cuda}")
+    if cpu_torch:
+        return True, (f"torch {torch.__version__} (CPU-only, FLASH_ATTN_BUILD_WITH_CPU_TORCH=1), "
+                      f"CUDA_HOME={CUDA_HOME}")
     return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), CUDA_HOME={CUDA_HOME}"
 
 
@@ -460,10 +501,11 @@ def make_extension(cfg: dict, cutlass: Path):
             f"{rel(cfg['missing_sm90'][0])}); those SM90 kernels are not built")
 
     # build_info() reports the SASS targets; only the binding reads it.
-    defines = [f'-DFLASH_ATTN_SASS_ARCHS="{",".join(str(a) for a in cfg["archs"])}"']
+    defines = [f'-DFLASH_ATTN_SASS_ARCHS="{",".join(str(a) for a in cfg["archs"])}"',
+               f"-DFLASH_ATTN_OP_NAMESPACE={cfg['op_namespace']}"]
 
     sources = cfg["cxx_sources"] + cfg["sm80_sources"] + cfg["sm90_sources"]
-    return CUDAExtension(
+    ext = CUDAExtension(
         name=EXT_NAME,
         sources=[rel(p) for p in sources],
         include_dirs=[str(ROOT / "csrc"), str(ROOT), str(cutlass)],
@@ -471,7 +513,24 @@ def make_extension(cfg: dict, cutlass: Path):
             "cxx": cfg["cxx_flags"] + defines,
             "nvcc": cfg["nvcc_flags"] + defines + cfg["sm80_gencode"],
         },
+        extra_link_args=stable_abi_link_args(),
     )
+    # Not CUDAExtension's libraries (torch, torch_python, c10, c10_cuda, ...): the stable ABI's
+    # C functions are all in libtorch_cpu (the CUDA stream's in libtorch_cuda, above).
+    ext.libraries = ["torch_cpu", "cudart"]
+    return ext
+
+
+def stable_abi_link_args() -> list[str]:
+    """libtorch_cuda as a needed library although the binding refers to it only weakly
+    (aoti_torch_get_current_cuda_stream): --as-needed, the default of many toolchains, drops a
+    library that satisfies only weak references, and the symbol would then stay null. A CPU
+    torch has no libtorch_cuda; the weak symbol is null there and no kernel is reached."""
+    import torch
+
+    if torch.version.cuda is None:
+        return []
+    return ["-Wl,--no-as-needed", "-ltorch_cuda", "-Wl,--as-needed"]
 
 
 # --------------------------------------------------------------------------------------

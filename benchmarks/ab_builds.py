@@ -27,8 +27,7 @@ import importlib.util
 import shutil
 import statistics
 import subprocess
-from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,13 +44,15 @@ def has_unique_symbols(path: str) -> bool:
     return any(" UNIQUE " in line and "flash" in line for line in out.stdout.splitlines())
 
 
-def load_build(name: str, path: str) -> ModuleType:
-    """Load one build's `_C` extension module from `path` under a name of its own."""
+def load_build(name: str, path: str) -> Any:
+    """Load one build's `_C` extension module from `path` under a name of its own, and return
+    its kernels' ops (``torch.ops.<namespace>``; an A/B build registers them in a namespace of
+    its own)."""
     loader = importlib.machinery.ExtensionFileLoader(f"ab_{name}._C", path)
     spec = importlib.util.spec_from_loader(f"ab_{name}._C", loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
-    return module
+    return getattr(torch.ops, module.op_namespace)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,14 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_call(ext: ModuleType, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def make_call(ext: Any, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool, deterministic: bool = False) -> Callable[[], object]:
     """The timed call: the forward binding, or the backward binding on this build's own
     forward output. q, k, v: (batch, seqlen, nheads, headdim)."""
     s, d = q.shape[1], q.shape[-1]
 
     def fwd() -> list[torch.Tensor]:
-        return ext.fwd(q, k, v, None, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0)
+        return ext.fwd(q, k, v, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0)
 
     if which == "fwd":
         return fwd
@@ -82,8 +83,8 @@ def make_call(ext: ModuleType, which: str, q: torch.Tensor, k: torch.Tensor, v: 
     dout = torch.randn_like(out)
 
     def bwd() -> list[torch.Tensor]:
-        return ext.bwd(dout, q, k, v, out, lse, None, None, None, None, None, s, s, d ** -0.5,
-                       causal, -1, -1, 0.0, deterministic)
+        return ext.bwd(dout, q, k, v, out, lse, None, None, s, s, d ** -0.5, causal, -1, -1,
+                       0.0, deterministic)
 
     return bwd
 

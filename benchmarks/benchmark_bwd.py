@@ -61,7 +61,9 @@ def graph_time_ms(fn: Callable[[], None]) -> float:
 
 
 def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[float]]:
-    from flash_attn import _C
+    from flash_attn.ops import load_extension
+
+    ext = load_extension()
 
     batch, heads = args.tokens // s, args.hidden // d
     flops = 10.0 * batch * heads * s * s * d / (2 if causal else 1)
@@ -70,14 +72,12 @@ def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[flo
                      for _ in range(4))
     scale = d ** -0.5
     right = 0 if causal else -1
-    out = torch.empty_like(q)
-    out, lse = _C.fwd(q, k, v, out, None, None, None, s, s, scale, causal, -1, right, 0.0)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    out, lse = ext.fwd(q, k, v, None, None, None, s, s, scale, causal, -1, right, 0.0)
     row: Dict[str, Optional[float]] = {}
 
     def ours(deterministic: bool = False):
-        _C.bwd(dout, q, k, v, out, lse, dq, dk, dv, None, None, s, s, scale, causal, -1, right,
-               0.0, deterministic, None)
+        ext.bwd(dout, q, k, v, out, lse, None, None, s, s, scale, causal, -1, right, 0.0,
+                deterministic, None)
 
     def timed(name: str, fn: Callable[[], None]) -> None:
         try:

@@ -387,8 +387,8 @@ def attention_backward_ref(
 
     The gradients are the exact gradients of :func:`attention_forward_ref`'s ``out``, recomputed
     from ``q, k, v`` in float32 (float64 for float64 inputs). ``out`` and ``softmax_lse`` are
-    accepted for signature parity with ``_C.bwd`` but are not used (recomputing them in high
-    precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
+    accepted for signature parity with ``flash_attn_cuda.bwd`` but are not used (recomputing
+    them in high precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
     are summed over each GQA group. Rows with no kept key contribute nothing. ``sink`` (nheads,)
     is the forward's learnable sink (it changes the probabilities); its own gradient is
     :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse. ``dropout_p`` and

@@ -3,11 +3,11 @@
 #   bash scripts/build_wheel.sh [OUTDIR]
 # With a CUDA torch and nvcc the wheel carries the extension flash_attn._C (every flag of
 # README.md "Build flags" applies, e.g. FLASH_ATTN_CUDA_ARCHS, MAX_JOBS) and is named for the
-# torch and CUDA it was built against (local version +cuXYZtorchA.B, platform tag), since the
-# extension links against that torch release's C++ ABI. With a CPU-only torch it is a pure
-# Python wheel (py3-none-any). Afterwards the script lists the extension's undefined dynamic
-# symbols from torch's C++ libraries (at::, c10::, torch::), the reason the wheel is tied to
-# one torch release.
+# torch and CUDA it was built against (local version +cuXYZtorchA.B, platform tag). With a
+# CPU-only torch it is a pure Python wheel (py3-none-any). Afterwards the script counts the
+# extension's undefined dynamic symbols from torch's C++ libraries (at::, c10::, torch::) and
+# fails unless there are none: the binding is on PyTorch's stable C ABI (docs/stable_abi.md),
+# so it needs only C functions (aoti_torch_*, torch_*), which later torch releases keep.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${1:-dist}"
@@ -32,5 +32,9 @@ fi
 tmp=$(mktemp -d)
 "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$wheel" "$so" "$tmp"
 n=$(nm -D --undefined-only "$tmp/$so" | c++filt | grep -cE ' (at|c10|torch)::' || true)
-echo "undefined torch C++ symbols in $so: $n (0 would mean the stable C ABI: one wheel per CUDA major)"
 rm -rf "$tmp"
+echo "undefined torch C++ symbols in $so: $n"
+if [ "$n" -ne 0 ]; then
+  echo "build_wheel: the extension needs torch C++ symbols; the stable-ABI binding must not" >&2
+  exit 1
+fi

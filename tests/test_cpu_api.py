@@ -537,19 +537,20 @@ def test_python_m_flash_attn_runs():
 
 
 def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
-    """The CUDA kernels of the custom ops call _C.fwd / _C.bwd with the argument order of
-    docs/INTERNALS.md (checked with a stand-in extension running the reference on CPU)."""
+    """The CUDA kernels of the custom ops call the extension's fwd / bwd
+    (torch.ops.flash_attn_cuda) with the argument order of docs/INTERNALS.md (checked with a
+    stand-in extension running the reference on CPU)."""
     from flash_attn import ops, reference
 
     calls = {}
 
     class FakeExt:
         @staticmethod
-        def fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+        def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
                 sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
-            calls["fwd"] = dict(out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            calls["fwd"] = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
                                 leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink,
@@ -561,17 +562,17 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
             if leftpad_k is not None:  # seqused_k[b] keys from row leftpad_k[b]
                 k, v = (torch.stack([x[b].roll(-n, 0) for b, n in
                                      enumerate(leftpad_k.tolist())]) for x in (k, v))
-            return list(reference.attention_forward_ref(
+            return tuple(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink))
 
         @staticmethod
-        def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                 softcap, deterministic, alibi_slopes=None, dropout_p=0.0, rng_state=None):
-            calls["bwd"] = dict(dq=dq, deterministic=deterministic, alibi_slopes=alibi_slopes,
+            calls["bwd"] = dict(deterministic=deterministic, alibi_slopes=alibi_slopes,
                                 dropout_p=dropout_p, rng_state=rng_state)
-            return list(reference.attention_backward_ref(
+            return tuple(reference.attention_backward_ref(
                 dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 alibi_slopes=alibi_slopes))
@@ -585,7 +586,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     ref_out, ref_lse = reference.attention_forward_ref(*args)
     torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
-    assert calls["fwd"] == dict(out=None, max_seqlen_q=3, max_seqlen_k=5, causal=True,
+    assert calls["fwd"] == dict(max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
                                 leftpad_k=None, alibi_slopes=None, sink=None, dropout_p=0.0,
                                 rng_state=None, sm_margin=0)
@@ -595,7 +596,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                                              True, 2, 0, 1.5)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    assert calls["bwd"] == dict(dq=None, deterministic=False, alibi_slopes=None, dropout_p=0.0,
+    assert calls["bwd"] == dict(deterministic=False, alibi_slopes=None, dropout_p=0.0,
                                 rng_state=None)
     # alibi_slopes last of fwd and of bwd
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])

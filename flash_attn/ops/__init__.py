@@ -4,8 +4,10 @@
 * ``torch.ops.flash_attn._bwd`` -> ``(dq, dk, dv)``
 * ``torch.ops.flash_attn._kvcache_update`` -> ``seqused_k`` (writes the caches and ``q_rot``)
 
-Device implementations: CUDA calls the extension ``flash_attn._C`` (imported lazily, so that
-this module imports without it); CPU runs :mod:`flash_attn.reference`. Every op has a fake
+Device implementations: CUDA calls the extension's ops ``torch.ops.flash_attn_cuda.fwd``,
+``bwd`` and ``kvcache_update`` (on PyTorch's stable C ABI, registered by importing
+``flash_attn._C``, which is done lazily so that this module imports without it); CPU runs
+:mod:`flash_attn.reference`. Every op has a fake
 (meta) implementation, so it traces under ``torch.compile`` as a single opaque node, and
 ``_fwd`` has an autograd formula that calls ``_bwd``.
 
@@ -16,24 +18,24 @@ dispatcher round trip of the custom op (tens of microseconds per call): through
 ``_FlashAttnFunc``, a ``torch.autograd.Function`` sharing the op's context setup and backward
 formula, when a gradient is needed, else with no autograd at all.
 
-The signatures of ``_fwd`` / ``_bwd`` follow ``_C.fwd`` / ``_C.bwd`` (docs/INTERNALS.md) with
-two differences: the preallocated-output arguments (``out`` of fwd, ``dq, dk, dv`` of bwd) are
-not exposed (the ops are functional, ``mutates_args=()``; the extension is called with ``None``
-for them), and ``_fwd`` takes a ``deterministic`` flag (before ``kv_batch_idx``,
-``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores and that is
-handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable sink,
-float32 ``(nheads,)``): the CPU kernels implement it in the reference, ``_C.fwd`` takes it
-(its kernels join it to each finished row; a call with no keys launches nothing, and its rows
-attend to the sink alone), and the CUDA ``_bwd`` needs nothing of it (its ``softmax_lse``
-already includes the sink). ``_fwd``'s autograd formula returns the sink's gradient, computed from ``out``,
-``dout`` and ``softmax_lse`` (:func:`sink_grad`). After the sink both take ``dropout_p`` and
-``rng_state`` (int64 ``(2,)`` on q's device: the mask's seed and offset,
-flash_attn/dropout.py), which ``_C.fwd`` and ``_C.bwd`` take too: the CPU kernels and the SM80
-CUDA kernels apply the mask (the binding runs the SM80 kernels under dropout on every GPU).
-``_fwd`` ends with ``sm_margin``: SMs the SM90 forward's persistent grid leaves free for work
-running beside it, such as ring attention's NCCL transfers (a scheduling hint: the CPU and the
-SM80 kernels, whose grids do not hold the GPU, have nothing to leave).
-``_kvcache_update`` follows ``_C.kvcache_update`` and mutates the caches and ``q_rot``.
+The signatures of ``_fwd`` / ``_bwd`` follow the extension's ``fwd`` / ``bwd``
+(docs/INTERNALS.md), which take no preallocated outputs (the ops are functional,
+``mutates_args=()``), with one difference: ``_fwd`` takes a ``deterministic`` flag (before
+``kv_batch_idx``, ``block_table``, ``leftpad_k`` and ``alibi_slopes``) that the forward ignores
+and that is handed to ``_bwd`` by the autograd formula. Both end with ``sink`` (the learnable
+sink, float32 ``(nheads,)``): the CPU kernels implement it in the reference,
+``flash_attn_cuda.fwd`` takes it (its kernels join it to each finished row; a call with no keys
+launches nothing, and its rows attend to the sink alone), and the CUDA ``_bwd`` needs nothing of
+it (its ``softmax_lse`` already includes the sink). ``_fwd``'s autograd formula returns the
+sink's gradient, computed from ``out``, ``dout`` and ``softmax_lse`` (:func:`sink_grad`). After
+the sink both take ``dropout_p`` and ``rng_state`` (int64 ``(2,)`` on q's device: the mask's
+seed and offset, flash_attn/dropout.py), which ``flash_attn_cuda.fwd`` and
+``flash_attn_cuda.bwd`` take too: the CPU kernels and the SM80 CUDA kernels apply the mask (the
+binding runs the SM80 kernels under dropout on every GPU). ``_fwd`` ends with ``sm_margin``: SMs
+the SM90 forward's persistent grid leaves free for work running beside it, such as ring
+attention's NCCL transfers (a scheduling hint: the CPU and the SM80 kernels, whose grids do not
+hold the GPU, have nothing to leave). ``_kvcache_update`` follows
+``flash_attn_cuda.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
 stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),
@@ -49,7 +51,8 @@ varlen (``cu_seqlens_q`` given); ``dq, dk, dv`` have the shapes and dtypes of q,
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,11 +62,34 @@ from .. import reference
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
            "sink_grad"]
 
-_EXT = None
+class _Extension:
+    """The compiled extension as this package calls it: the kernels' ops, which importing
+    ``flash_attn._C`` registers as ``torch.ops.<_C.op_namespace>.*`` (``flash_attn_cuda``; an
+    A/B build has a namespace of its own), and ``_C``'s own functions (``build_info``, the
+    bad-input words)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        ops = getattr(torch.ops, module.op_namespace)
+        # The overloads themselves: calling the packet resolves the overload on every call.
+        self.fwd: Callable[..., Tuple[Tensor, Tensor]] = ops.fwd.default
+        self.bwd: Callable[..., Tuple[Tensor, Tensor, Tensor]] = ops.bwd.default
+        # The same without optional tensors or dropout, the scalars in one list: fewer
+        # arguments, a cheaper call (csrc/flash_api.cpp, fwd_plain).
+        self.fwd_plain: Callable[..., Tuple[Tensor, Tensor]] = ops.fwd_plain.default
+        self.bwd_plain: Callable[..., Tuple[Tensor, Tensor, Tensor]] = ops.bwd_plain.default
+        self.kvcache_update: Callable[..., Tensor] = ops.kvcache_update.default
+        self.stream_value32: Callable[[Tensor, int, bool], None] = ops.stream_value32.default
+        self.build_info: Callable[[], Dict[str, Any]] = module.build_info
+        self.bad_input_word_address: Callable[[int], int] = module.bad_input_word_address
+        self.take_bad_input: Callable[[int], int] = module.take_bad_input
 
 
-def load_extension():
-    """Import ``flash_attn._C`` (once), or raise a RuntimeError saying why it is unavailable."""
+_EXT: Optional[_Extension] = None
+
+
+def load_extension() -> _Extension:
+    """Import ``flash_attn._C`` (once), which registers the kernels' ops, or raise a
+    RuntimeError saying why it is unavailable."""
     global _EXT
     if _EXT is None:
         try:
@@ -76,7 +102,7 @@ def load_extension():
                 "with `pip install -e .` on a machine with CUDA. CPU tensors run the PyTorch "
                 "reference and do not need it."
             ) from e
-        _EXT = _C
+        _EXT = _Extension(_C)
     return _EXT
 
 
@@ -265,13 +291,21 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, v, cu_seqlens_q, sink)
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
-    # A tuple: the binding returns a list, which the eager autograd.Function (_FlashAttnFunc)
-    # would take as one non-tensor output, leaving out without a grad_fn.
-    out, lse = load_extension().fwd(
-        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
-        block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
-    )
+    ext = load_extension()
+    # A tuple, which the eager autograd.Function (_FlashAttnFunc) takes as two tensor outputs.
+    if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None
+            and kv_batch_idx is None and block_table is None and leftpad_k is None
+            and alibi_slopes is None and sink is None and dropout_p == 0.0
+            and rng_state is None):
+        out, lse = ext.fwd_plain(q, k, v, [
+            float(max_seqlen_q), float(max_seqlen_k), softmax_scale, float(causal),
+            float(window_left), float(window_right), softcap, float(sm_margin)])
+    else:
+        out, lse = ext.fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+            block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
+        )
     return out, lse
 
 
@@ -345,8 +379,13 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     require_kernel("bwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
+    if (cu_seqlens_q is None and cu_seqlens_k is None and alibi_slopes is None
+            and dropout_p == 0.0 and rng_state is None):
+        return ext.bwd_plain(dout, q, k, v, out, softmax_lse, [
+            float(max_seqlen_q), float(max_seqlen_k), softmax_scale, float(causal),
+            float(window_left), float(window_right), softcap, float(deterministic)])
     dq, dk, dv = ext.bwd(
-        dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
         deterministic, alibi_slopes, dropout_p, rng_state,
     )
