@@ -33,7 +33,7 @@ def test_import_registers_the_ops():
     import flash_attn._C as ext
 
     assert ext.op_namespace.startswith("flash_attn_cuda")
-    for name in ("fwd", "bwd", "fwd_plain", "bwd_plain", "kvcache_update"):
+    for name in ("fwd", "bwd", "fwd_plain", "bwd_plain", "kvcache_update", "stream_value32"):
         assert hasattr(_ops(), name)
     assert {"archs", "kernels", "cuda", "cutlass", "sass_archs"} <= set(ext.build_info())
     assert ext.bad_input_word_address(0) == 0 or torch.cuda.is_available()
@@ -49,6 +49,18 @@ def test_no_torch_cxx_symbols():
                          capture_output=True, text=True, check=True).stdout
     torch_cxx = [line for line in out.splitlines() if re.search(r" (at|c10|torch)::", line)]
     assert torch_cxx == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_stream_value32_writes_then_waits():
+    # Ring attention's copy-engine transport orders its streams by these two operations.
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _ops().stream_value32(word, 7, False)
+    _ops().stream_value32(word, 7, True)  # already satisfied: the stream goes on
+    torch.cuda.synchronize()
+    assert word.item() == 7
+    with pytest.raises(RuntimeError, match="int32 tensor of one element"):
+        _ops().stream_value32(torch.zeros(2, dtype=torch.int32, device="cuda"), 1, False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU tensors on the CUDA key")
