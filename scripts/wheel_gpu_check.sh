@@ -8,6 +8,7 @@
 set -uo pipefail
 export FLASH_ATTN_HEADDIMS=${FLASH_ATTN_HEADDIMS:-64,128} FLASH_ATTN_DTYPES=${FLASH_ATTN_DTYPES:-bf16,fp16}
 export FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-$(nproc)}
+[ -d .cutlass/include ] && export CUTLASS_INCLUDE_DIR=${CUTLASS_INCLUDE_DIR:-$PWD/.cutlass/include}
 OUT=${OUT:-/tmp/wheel_check}
 mkdir -p "$OUT"
 work=$(mktemp -d)
