@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repo root: builds a wheel (scripts/build_wheel.sh, the build flags
 # from the environment, default d=64/128 bf16+fp16 for sm_90a), installs it with pip alone into
-# a fresh venv (torch from the system site-packages, no build tools, no index), and runs GPU
+# a fresh venv (torch from the building Python's site-packages, no build tools, no index), and runs GPU
 # tests against the installed package from a copy of tests/ outside the tree, so that nothing
 # is imported from the source checkout. TESTS (default: the single-GPU forward/backward files
 # and, where 2+ GPUs exist, the ring tests) and OUT (logs) may be set.
@@ -14,7 +14,11 @@ mkdir -p "$OUT"
 work=$(mktemp -d)
 bash scripts/build_wheel.sh "$work/dist" > "$OUT/wheel_build.log" 2>&1 || { tail -30 "$OUT/wheel_build.log"; exit 1; }
 tail -2 "$OUT/wheel_build.log"
-python3 -m venv --system-site-packages "$work/venv"
+python3 -m venv "$work/venv"
+# torch from the building Python's site-packages (which may itself be a venv), after the new
+# venv's own: the installed wheel comes first on sys.path.
+torch_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+echo "$torch_site" > "$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch_site.pth"
 "$work/venv/bin/pip" install -q --no-deps --no-index "$work"/dist/*.whl || exit 1
 cp -r tests "$work/tests"
 cd "$work" || exit 1
