@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ VARLEN_CASES = {
 }
 ERROR_CASES = ["unequal_shards", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
                "not_implemented", "group_of_one", "varlen_unequal_cu_seqlens",
-               "varlen_bad_cu_seqlens", "varlen_group_of_one"]
+               "varlen_bad_cu_seqlens", "varlen_group_of_one", "host_group_of_an_nccl_group"]
 ALL_CASES = list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + ERROR_CASES
 
 
@@ -193,6 +194,18 @@ def _check_error(name: str, world: int, rank: int) -> None:
         y = x[0]
         cu = torch.tensor([0, 2, 5], dtype=torch.int32)  # ends short of total_local (6)
         _raises(ValueError, lambda: ring_flash_attn_varlen_func(y, y, y, cu, 3), "cu_seqlens")
+    elif name == "host_group_of_an_nccl_group":
+        # A group whose collectives take no CPU tensors gets a gloo group of its ranks for the
+        # shape check, made once.
+        from flash_attn import ring_attention
+        with mock.patch.object(ring_attention, "_serves_cpu", return_value=False):
+            side = ring_attention._host_group(None)
+            assert side is not dist.group.WORLD and ring_attention._host_group(None) is side
+            every = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(every, torch.tensor([rank]), group=side)
+            assert [int(t) for t in every] == list(range(world))
+            y = x.clone()
+            ring_flash_attn_func(y, y, y, causal=True)  # the shape check goes through it
     elif name == "varlen_group_of_one":
         groups = [dist.new_group([r]) for r in range(world)]
         y = x[0]
