@@ -324,14 +324,15 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         sched.split.o = reinterpret_cast<float*>(ws + counter_bytes + lse_bytes);
         cudaMemsetAsync(ws, 0, counters * sizeof(int), stream);
     }
-    const Sm90FwdArgs<Traits> args{
+    const auto gmem_k = gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride);
+    const auto gmem_v = gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride);
+    Sm90FwdArgs<Traits> args{
         p,
         make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, rows_q, p.nheads, batch, p.q_stride),
                       typename Traits::SmemLayoutQ{}, Shape<BM, D>{}, _1{}),
-        Traits::make_tma_kv(gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride)),
-        Traits::make_tma_kv(gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride)),
-        Traits::make_tma_kv_rows8(gmem(p.k, rows_k, p.nheads_k, batch_k, p.k_stride)),
-        Traits::make_tma_kv_rows8(gmem(p.v, rows_k, p.nheads_k, batch_k, p.v_stride)),
+        Traits::make_tma_kv(gmem_k),
+        Traits::make_tma_kv(gmem_v),
+        {},
         make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, batch, p.o_stride),
                       typename Traits::SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}),
         rows_q,
@@ -339,6 +340,9 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         batch,
         batch_k,
         sched};
+    if (Traits::kBand && p.block_table != nullptr && p.page_size % Traits::kBlockN != 0) {
+        Traits::make_paged_rows(args.paged_rows, Traits::box_rows(p.page_size), gmem_k, gmem_v);
+    }
 
     const Sm90Launch<Traits> launch(std::max(grid, 1), stream);
     cudaLaunchKernelEx(&launch.config, flash_fwd_sm90_kernel<Traits>, args);

@@ -109,16 +109,61 @@ struct Sm90FwdTraits {
                              Int<kClusterM>{});
     }
     using TmaKV = decltype(make_tma_kv(std::declval<GmemTensor>()));
-    // A paged K/V whose pages do not hold whole key blocks: each key block in boxes of 8 rows,
-    // each box from its own page. 8 rows are a swizzle atom's height, so a box lands on whole
-    // atoms of the stage, at the same swizzle phase as the stage's first 8 rows.
-    using SmemLayoutKVRows8 = decltype(composition(
-        take<0, 2>(SmemLayoutKV{}), make_layout(Shape<_8, D>{}, make_stride(_1{}, BN{}))));
-    template <class Gmem>
-    static auto make_tma_kv_rows8(Gmem const& gmem) {
-        return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVRows8{}, Shape<_8, D>{}, _1{});
+    // A paged K/V whose pages do not hold whole key blocks: each key block in boxes of kRows
+    // rows, each box from its own page. kRows is a multiple of 8, a swizzle atom's height, so a
+    // box lands on whole atoms of the stage, at the same swizzle phase as the stage's first rows.
+    template <int kRows>
+    using SmemLayoutKVRows = decltype(composition(
+        take<0, 2>(SmemLayoutKV{}),
+        make_layout(Shape<Int<kRows>, D>{}, make_stride(_1{}, BN{}))));
+    template <int kRows, class Gmem>
+    static auto make_tma_kv_rows(Gmem const& gmem) {
+        return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVRows<kRows>{},
+                             Shape<Int<kRows>, D>{}, _1{});
     }
-    using TmaKVRows8 = decltype(make_tma_kv_rows8(std::declval<GmemTensor>()));
+    template <int kRows>
+    using TmaKVRows = decltype(make_tma_kv_rows<kRows>(std::declval<GmemTensor>()));
+    // The box height for pages of page_size rows (a multiple of 8): the tallest of 64, 32, 16
+    // and 8 rows that divides both the page and the key block, since a paged block costs about
+    // in proportion to its boxes. H100, 2026-11-27, decode at 4k / 16k keys, d=128 (blocks of
+    // 128 rows), speed against pages of whole blocks: pages of 16, 32, 64 in 8-row boxes
+    // 0.50-0.67; in boxes of the page's height 0.67-0.79, 0.87-0.94, 0.96-0.97.
+    __host__ __device__ static constexpr int box_rows(int page_size) {
+        return kBlockN % 64 == 0 && page_size % 64 == 0   ? 64
+               : kBlockN % 32 == 0 && page_size % 32 == 0 ? 32
+               : kBlockN % 16 == 0 && page_size % 16 == 0 ? 16
+                                                          : 8;
+    }
+    // One pair of descriptors per box height; a height that does not divide the key block is
+    // never chosen, and its pair takes 8-row boxes' types so that the struct stays the same.
+    template <int kRows>
+    struct KVRowsTma {
+        TmaKVRows<(kBlockN % kRows == 0 ? kRows : 8)> k, v;
+    };
+    struct PagedRowsTma {
+        KVRowsTma<8> r8;
+        KVRowsTma<16> r16;
+        KVRowsTma<32> r32;
+        KVRowsTma<64> r64;
+    };
+    // Fills in the pair of the box height `rows` (box_rows); the launch leaves the others empty,
+    // so that an unpaged call encodes no descriptor for them.
+    template <class Gmem>
+    static void make_paged_rows(PagedRowsTma& t, int rows, Gmem const& k, Gmem const& v) {
+        auto fill = [&](auto height, auto& pair) {
+            constexpr int kRows = decltype(height)::value;
+            if constexpr (kBlockN % kRows == 0) {
+                pair.k = make_tma_kv_rows<kRows>(k);
+                pair.v = make_tma_kv_rows<kRows>(v);
+            }
+        };
+        switch (rows) {
+            case 64: fill(_64{}, t.r64); break;
+            case 32: fill(_32{}, t.r32); break;
+            case 16: fill(_16{}, t.r16); break;
+            default: fill(_8{}, t.r8); break;
+        }
+    }
 
     // The output leaves through shared memory and a TMA store (batched tiles, d >= 128; the
     // others write from registers). Each consumer group stages its 64 x d slice of O in
@@ -200,8 +245,7 @@ struct Sm90FwdArgs {
     typename Traits::TmaQ tma_q;
     typename Traits::TmaKV tma_k;
     typename Traits::TmaKV tma_v;
-    typename Traits::TmaKVRows8 tma_k_rows8;  // paged K/V in pages that are not whole blocks
-    typename Traits::TmaKVRows8 tma_v_rows8;
+    typename Traits::PagedRowsTma paged_rows;  // paged K/V in pages that are not whole blocks
     typename Traits::TmaO tma_o;
     // Extents of the TMA views (see GmemShape): varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch_q, batch_k;

@@ -161,48 +161,72 @@ struct Sm90FwdMainloop {
         };
         // Paged K/V (band kernels only; the TMA views are then (page_size, d) per page). Pages
         // of whole key blocks: block n lies in one page. Other pages (a multiple of 8 rows, the
-        // launcher's rule): block n in boxes of 8 rows, each from its page.
+        // launcher's rule): block n in boxes of Traits::box_rows rows, each from its page.
         const bool paged = Traits::kBand && seq.pages != nullptr;
-        const bool paged_rows8 = paged && p.page_size % kBlockN != 0;
+        const bool paged_rows = paged && p.page_size % kBlockN != 0;
         auto page_blocks = [&](auto const& tma, int n) {
             return local_tile(tma_head_view(tma, a.rows_k, p.headdim, p.nheads_k, a.batch_k, bidh_k,
                                         seq.page(p, n * kBlockN), 0),
                               Shape<BN, D>{}, make_coord(_, _0{}));
         };
-        // Boxes past the sequence's last row read the page of its last box: the table need not
-        // hold entries past the sequence, their keys are masked and their values cleared
-        // (clear_v_tail), and the stage's barrier still counts a whole block's bytes.
-        const int last_box = max(seq.seqlen_k - 1, 0) / 8 * 8;
         // Lane j loads box j: its page-table read starts before the wait for a free stage, and
         // the boxes' address arithmetic and TMA issues run side by side. Decode with pages of 16
-        // (H100, 2026-11-27, 4k / 16k keys) ran at 0.24-0.31 of the speed of pages that hold
-        // whole blocks with one thread reading each box's page and issuing its load in turn,
-        // 0.30-0.36 with the reads in parallel and one thread issuing, 0.50-0.62 this way.
-        constexpr int kBoxes = kBlockN / 8;
-        static_assert(kBoxes <= 32, "one lane per box");
-        const int lane = int(threadIdx.x % 32);
-        auto load_rows8 = [&](auto& pipe, PipeState& state, auto const& tma, auto const& s,
-                              int n) {
-            const int row = min(n * kBlockN + 8 * min(lane, kBoxes - 1), last_box);
+        // in 8-row boxes (H100, 2026-11-27, 4k / 16k keys) ran at 0.24-0.31 of the speed of
+        // pages that hold whole blocks with one thread reading each box's page and issuing its
+        // load in turn, 0.30-0.36 with the reads in parallel and one thread issuing, 0.50-0.62
+        // this way; in 16-row boxes 0.67-0.79.
+        static_assert(kBlockN / 8 <= 32, "one lane per box");
+        auto load_rows = [&](auto rows, auto& pipe, PipeState& state, auto const& tma,
+                             auto const& s, int n) {
+            constexpr int kRows = decltype(rows)::value;
+            const int lane = int(threadIdx.x % 32);
+            constexpr int kBoxes = kBlockN / kRows;
+            using BR = Int<kRows>;
+            // Boxes past the sequence's last row read the page of its last box: the table need
+            // not hold entries past the sequence, their keys are masked and their values cleared
+            // (clear_v_tail), and the stage's barrier still counts a whole block's bytes.
+            const int last_box = max(seq.seqlen_k - 1, 0) / kRows * kRows;
+            const int row = min(n * kBlockN + kRows * min(lane, kBoxes - 1), last_box);
             const int page = seq.page(p, row);
             pipe.producer_acquire(state);
             if (lane < kBoxes) {
                 auto* barrier = pipe.producer_get_barrier(state);
                 Tensor g = local_tile(tma_head_view(tma, a.rows_k, p.headdim, p.nheads_k,
                                                     a.batch_k, bidh_k, page, 0),
-                                      Shape<_8, D>{}, make_coord(_, _0{}));  // (8, d, boxes)
-                Tensor sl = local_tile(s(_, _, state.index()), Shape<_8, D>{},
-                                       make_coord(lane, _0{}));  // (8, d)
+                                      Shape<BR, D>{}, make_coord(_, _0{}));  // (rows, d, boxes)
+                Tensor sl = local_tile(s(_, _, state.index()), Shape<BR, D>{},
+                                       make_coord(lane, _0{}));  // (rows, d)
                 auto part = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sl),
                                           group_modes<0, 2>(g));
-                copy(tma.with(*barrier), get<0>(part)(_, row % p.page_size / 8), get<1>(part));
+                copy(tma.with(*barrier), get<0>(part)(_, row % p.page_size / kRows),
+                     get<1>(part));
             }
             ++state;
         };
-        auto load_kv = [&](auto& pipe, PipeState& state, auto const& tma, auto const& tma_rows8,
+        // is_k: true_type for K, false_type for V.
+        auto load_paged_rows = [&](auto is_k, auto& pipe, PipeState& state, auto const& s,
+                                   int n) {
+            auto pick = [&](auto rows, auto const& pair) {
+                if constexpr (kBlockN % decltype(rows)::value == 0) {
+                    if constexpr (decltype(is_k)::value) {
+                        load_rows(rows, pipe, state, pair.k, s, n);
+                    } else {
+                        load_rows(rows, pipe, state, pair.v, s, n);
+                    }
+                }
+            };
+            auto const& t = a.paged_rows;
+            switch (Traits::box_rows(p.page_size)) {
+                case 64: pick(_64{}, t.r64); break;
+                case 32: pick(_32{}, t.r32); break;
+                case 16: pick(_16{}, t.r16); break;
+                default: pick(_8{}, t.r8); break;
+            }
+        };
+        auto load_kv = [&](auto is_k, auto& pipe, PipeState& state, auto const& tma,
                            auto const& s, auto const& gmem, int n) {
-            if (paged_rows8) {
-                load_rows8(pipe, state, tma_rows8, s, n);
+            if (paged_rows) {
+                load_paged_rows(is_k, pipe, state, s, n);
             } else if (paged) {
                 load_block(pipe, state, tma, s, page_blocks(tma, n),
                            n * kBlockN % p.page_size / kBlockN);
@@ -210,8 +234,12 @@ struct Sm90FwdMainloop {
                 load_block(pipe, state, tma, s, gmem, n);
             }
         };
-        auto load_k = [&](int n) { load_kv(k_pipe, k_state, a.tma_k, a.tma_k_rows8, sK, gK, n); };
-        auto load_v = [&](int n) { load_kv(v_pipe, v_state, a.tma_v, a.tma_v_rows8, sV, gV, n); };
+        auto load_k = [&](int n) {
+            load_kv(std::true_type{}, k_pipe, k_state, a.tma_k, sK, gK, n);
+        };
+        auto load_v = [&](int n) {
+            load_kv(std::false_type{}, v_pipe, v_state, a.tma_v, sV, gV, n);
+        };
 
         load_k(g.n_last - 1);
         q_pipe.producer_acquire(q_state);
