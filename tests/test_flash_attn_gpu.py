@@ -586,6 +586,19 @@ def test_deterministic_backward(case: Case):
     assert_backward_repeatable(flash_attn_func(q, k, v, **kwargs), (q, k, v), 10)
 
 
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, True)],
+                         ids=["d64-causal", "d128", "d128-causal", "d256-causal"])
+def test_backward_more_key_tiles_than_sms(d: int, causal: bool):
+    """Backward grids of several hundred key tiles of full length (the other cases stay below
+    an H100's 132 SMs), so that a kernel whose CTAs run several tiles each does so here."""
+    torch.manual_seed(12)
+    dtype = torch.bfloat16
+    b, s, h = 4, 1024, 8  # 8 key tiles of 128 rows x 32 (batch, head) pairs: 256 tiles
+    q, k, v = (rand(b, s, h, d, dtype=dtype) for _ in range(3))
+    check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), [q, k, v],
+                  plain_qkv, dict(causal=causal))
+
+
 @pytest.mark.parametrize("b,h", [(70000, 1), (1, 70000)], ids=["batch70000", "heads70000"])
 def test_grid_beyond_65535(b, h):
     """More batches / heads than a grid's y or z dimension may hold."""
