@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine, from the repo root: builds a wheel (scripts/build_wheel.sh, the build flags
 # from the environment, default d=64/128 bf16+fp16 for sm_90a), installs it with pip alone into
-# a fresh venv (torch from the building Python's site-packages, no build tools, no index), and runs GPU
-# tests against the installed package from a copy of tests/ outside the tree, so that nothing
-# is imported from the source checkout. TESTS (default: the single-GPU forward/backward files
+# a fresh venv (torch from the building Python's site-packages, no build tools, no index), and
+# runs GPU tests against the installed package from a copy of tests/ outside the tree, so that
+# nothing is imported from the source checkout. TESTS (default: the single-GPU forward/backward files
 # and, where 2+ GPUs exist, the ring tests) and OUT (logs) may be set.
 set -uo pipefail
 export FLASH_ATTN_HEADDIMS=${FLASH_ATTN_HEADDIMS:-64,128} FLASH_ATTN_DTYPES=${FLASH_ATTN_DTYPES:-bf16,fp16}
@@ -30,6 +30,6 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     echo "== ring tests, $t"
     setsid timeout -k 10 150 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
       tests/test_ring_attention_gpu.py -k "$t" 2>&1 | tail -2
-    pkill -9 -f "multiprocessing.spawn" 2>/dev/null
+    pkill -9 -f "multiprocessing[.]spawn" 2>/dev/null  # the ranks; [.] spares a shell naming it
   done
 fi
