@@ -174,7 +174,11 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     const int64_t entries = rows.head_stride * p.nheads * (varlen ? 1 : p.batch);
     constexpr int kD = Traits::D::value;
     const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    const int64_t turns = p.deterministic ? int64_t(m_blocks) * p.nheads * p.batch : 0;
+    // The turn counters come first, padded to 256 bytes: the accumulator after them must be
+    // 16-byte aligned for its float4 and bulk accesses (an odd count of query tiles, heads and
+    // batches would misalign it otherwise).
+    const int64_t turns =
+        p.deterministic ? (int64_t(m_blocks) * p.nheads * p.batch + 63) / 64 * 64 : 0;
     float* ws = static_cast<float*>(p.workspace.allocate(
         p.workspace.context, ((2 + kD) * entries + turns) * int64_t(sizeof(float))));
     p.dq_turns = p.deterministic ? reinterpret_cast<int*>(ws) : nullptr;

@@ -586,6 +586,22 @@ def test_deterministic_backward(case: Case):
     assert_backward_repeatable(flash_attn_func(q, k, v, **kwargs), (q, k, v), 10)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("b,h,s", [(1, 1, 100), (1, 3, 130), (3, 1, 1)],
+                         ids=["b1-h1-s100", "b1-h3-s130", "b3-h1-s1"])
+def test_deterministic_odd_tile_counts(d: int, b: int, h: int, s: int):
+    """deterministic=True where query tiles x heads x batch is not a multiple of 4: the dQ
+    accumulator, which follows the per-tile turn counters in one workspace, must stay 16-byte
+    aligned for its vector and bulk accesses."""
+    torch.manual_seed(13)
+    dtype = torch.bfloat16
+    q, k, v = (rand(b, s, h, d, dtype=dtype) for _ in range(3))
+    kwargs = dict(causal=True, deterministic=True)
+    check_fwd_bwd(lambda q, k, v: flash_attn_func(q, k, v, **kwargs), [q, k, v], plain_qkv,
+                  dict(causal=True))
+    assert_backward_repeatable(flash_attn_func(q, k, v, **kwargs), (q, k, v), 3)
+
+
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, True)],
                          ids=["d64-causal", "d128", "d128-causal", "d256-causal"])
 def test_backward_more_key_tiles_than_sms(d: int, causal: bool):
