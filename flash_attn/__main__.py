@@ -86,7 +86,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("forward", sm90(fwd90, ""), "SM80"),
         ("forward with alibi_slopes", sm90(fwd90, ""), "SM80"),
         ("paged KV (block_table), pages of any size",
-         "SM90 where a page holds whole key blocks, else SM80", "SM80"),
+         "SM90 for pages of a multiple of 8 rows, else SM80", "SM80"),
         ("paged KV with cache_leftpad", "SM80", "SM80"),
         ("backward (alibi_slopes too)", sm90(bwd90, ""), "SM80"),
         ("deterministic=True backward", sm90(bwd90, ""), "SM80"),

@@ -362,8 +362,9 @@ def paged(cache, page, perm):
 @pytest.mark.parametrize("pack", ["default", "unpacked"])
 def test_paged_cache(pack, case, d, page, monkeypatch):
     """A paged cache (block_table, pages in shuffled order, unused pages NaN) read in place:
-    on the Hopper kernels where the page holds whole key blocks (d=64/128: 128 rows, d=256:
-    80), else on the SM80 kernels. decode_split: one new row per sequence over a long cache
+    on the Hopper kernels where the page is a multiple of 8 rows (a TMA copy per key block
+    where it holds whole blocks, d=64/128: 128 rows, d=256: 80; else boxes as tall as the page
+    allows), else on the SM80 kernels. decode_split: one new row per sequence over a long cache
     (the keys split over SMs); prefill_rotary: a causal chunk of 40 rows written across page
     boundaries, rotated. unpacked: FLASH_ATTN_PACK_GQA=0 (the SM90 band kernel, not the
     packed one)."""

@@ -47,8 +47,8 @@ struct AttnShape {
     // r of batch b is row r % page_size of page block_table[b * block_table_stride +
     // r / page_size] (clamped into the pages); batched, seqlen_k is the table's width times
     // page_size (varlen: cu_seqlens_k counts the keys). Any page_size >= 1 on the SM80
-    // kernels (a key block gathered row by row); the SM90 kernels take multiples of their key
-    // block.
+    // kernels (a key block gathered row by row); the SM90 kernels take multiples of 8 rows
+    // (TMA boxes of up to a key block, as tall as the page allows).
     const int* block_table = nullptr;
     index_t block_table_stride = 0;
     int page_size = 0;
