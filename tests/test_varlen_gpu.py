@@ -377,8 +377,8 @@ def to_pages(x: torch.Tensor, lengths: Sequence[int], page: int, perm: List[int]
 def test_varlen_paged(causal, lens, d, page, pack, monkeypatch):
     """flash_attn_varlen_func with block_table: the keys of LENGTHS in shuffled pages (rows
     past a sequence's keys NaN) against the reference on the varlen keys. The SM90 kernels
-    read pages that hold whole key blocks (128 rows to d=128, 80 to d=256), the SM80 kernels
-    the others. unpacked: FLASH_ATTN_PACK_GQA=0."""
+    read pages of a multiple of 8 rows (by key blocks where a page holds whole ones: 128 rows
+    to d=128, 80 to d=256), the SM80 kernels the others. unpacked: FLASH_ATTN_PACK_GQA=0."""
     if pack == "unpacked":
         monkeypatch.setenv("FLASH_ATTN_PACK_GQA", "0")
     torch.manual_seed(23)
