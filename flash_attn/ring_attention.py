@@ -403,13 +403,23 @@ class _CopyEngineRing(_Ring):
     def _words(self, mem: Tensor) -> Tensor:
         return mem[:self._WORDS * 4].view(torch.int32)
 
+    def _arrived(self, mem: Tensor, channel: int, slot: int) -> Tensor:
+        return self._words(mem)[2 * channel + slot:][:1]
+
+    def _freed(self, mem: Tensor, channel: int, slot: int) -> Tensor:
+        return self._words(mem)[4 + 2 * channel + slot:][:1]
+
+    @staticmethod
+    def _channel(tag: int) -> int:
+        return 0 if tag == _TAG_KV else 1
+
     def _slot(self, mem: Tensor, channel: int, slot: int, like: Tensor) -> Tensor:
         off = self._ALIGN + 2 * self.capacity[0] * channel + self.capacity[channel] * slot
         nbytes = like.numel() * like.element_size()
         return mem[off:off + nbytes].view(like.dtype).view(like.shape)
 
     def reserve(self, tag: int, nbytes: int) -> None:
-        channel = 0 if tag == _TAG_KV else 1
+        channel = self._channel(tag)
         if nbytes <= self.capacity[channel]:
             return
         # No multicast objects: the slots are only copied to, and some machines forbid them.
@@ -442,7 +452,7 @@ class _CopyEngineRing(_Ring):
         barrier()
 
     def exchange(self, x: Tensor, tag: int) -> Tuple[object, Tensor]:
-        channel = 0 if tag == _TAG_KV else 1
+        channel = self._channel(tag)
         self.count[channel] += 1
         t = self.count[channel]
         slot = t % 2
@@ -450,24 +460,23 @@ class _CopyEngineRing(_Ring):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if t > 2:
-                value32(self._words(self.mem)[4 + 2 * channel + slot:][:1], t - 2, True)
+                value32(self._freed(self.mem, channel, slot), t - 2, True)
             self._slot(self.next_mem, channel, slot, x).copy_(x)
-            value32(self._words(self.next_mem)[2 * channel + slot:][:1], t, False)
+            value32(self._arrived(self.next_mem, channel, slot), t, False)
         x.record_stream(self.stream)
         return (channel, t), self._slot(self.mem, channel, slot, x)
 
     def wait(self, handle: object) -> None:
         channel, t = handle
         with torch.cuda.device(self.device):
-            ops.load_extension().stream_value32(
-                self._words(self.mem)[2 * channel + t % 2:][:1], t, True)
+            ops.load_extension().stream_value32(self._arrived(self.mem, channel, t % 2), t, True)
 
     def release(self, handle: object) -> None:
         channel, t = handle
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            ops.load_extension().stream_value32(
-                self._words(self.prev_mem)[4 + 2 * channel + t % 2:][:1], t, False)
+            ops.load_extension().stream_value32(self._freed(self.prev_mem, channel, t % 2), t,
+                                                False)
 
 
 # One copy-engine ring per (process group, device): its words keep counting across calls. A
@@ -692,7 +701,7 @@ _HOST_GROUPS: Dict[str, Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 def _serves_cpu(pg: dist.ProcessGroup) -> bool:
     """Whether ``pg``'s collectives take CPU tensors (gloo, or a "cpu:gloo,cuda:nccl" mix)."""
-    return "gloo" in str(dist.get_backend(pg))
+    return _backend_error(torch.device("cpu"), dist.get_backend(pg)) is None
 
 
 def _host_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
