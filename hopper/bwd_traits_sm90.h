@@ -27,6 +27,11 @@ enum class BwdBarrier : int {
     // Group g wrote its rows of dS^T into buffer b (id + 4 g + b): group g arrives, the other
     // group syncs before its dQ GEMM reads the buffer. One way, so the groups never meet.
     kDsFull = 2,
+    // Wide tile, all consumer threads, in the epilogue: every group's last GEMM has read K and
+    // V (their buffers then hold dK and dV), and later every thread has written its part of
+    // them. The 16 ids are all taken, so it shares kPdsFull's id: the same threads, each past
+    // its last kPdsFull sync by then.
+    kEpilogue = kPdsFull,
     // Per consumer group g (ids + g), between that group and the dQ warp only, so that neither
     // group waits for the other's dQ:
     kDqFull = 10,   // the group wrote its part of a tile's dQ into shared memory

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
                               acc_dk, acc_dv);
         }
-        Epilogue::store(p, seq, bidh, g, acc_dk, acc_dv);
+        Epilogue::store(p, ss, seq, bidh, g, acc_dk, acc_dv);
     }
 }
 
