@@ -35,6 +35,12 @@ namespace flash {
 // the whole workspace) it also zeroes the dQ accumulator of its rows.
 constexpr int kRowKernelThreads = 256;
 
+constexpr int pow2_floor(int n) {
+    int p = 1;
+    while (2 * p <= n) p *= 2;
+    return p;
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(kRowKernelThreads)
     flash_bwd_rows_sm90_kernel(const __grid_constant__ BwdParams p,
@@ -42,10 +48,11 @@ __global__ void __launch_bounds__(kRowKernelThreads)
     using T = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kD = Traits::D::value;
-    constexpr int kRowThreads = kD / 8 < 32 ? kD / 8 : 32;
+    // A power of two, so that a row's threads are lanes of one warp.
+    constexpr int kRowThreads = pow2_floor(kD / 8 < 32 ? kD / 8 : 32);
     constexpr int kRowsPerPass = kRowKernelThreads / kRowThreads;
     constexpr int kPasses = kRowKernelRows / kRowsPerPass;
-    constexpr int kChunks = kD / (8 * kRowThreads);  // 16-byte chunks per thread and row
+    constexpr int kChunks = (kD / 8 + kRowThreads - 1) / kRowThreads;  // 16-byte, per row
     static_assert(kPasses >= 1 && kRowKernelRows % kRowsPerPass == 0);
     constexpr float kLog2e = 1.4426950408889634f;
     const int sub = int(threadIdx.x) % kRowThreads;
