@@ -108,16 +108,6 @@ struct Sm90BwdTraits {
         decltype(make_tiled_mma(
             GMMA::rs_op_selector<T, T, float, Shape<_64, D, BM>, GMMA::Major::K, GMMA::Major::MN>(),
             WarpGroupsAlongM{}))>;
-    // dQ = dS K, (block_m x d), both operands MN-major in shared memory. With 128 query rows the
-    // warp groups take 64 rows each; with 64 they take half of the columns each.
-    static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
-    using DqAtom = std::conditional_t<kDqSplitRows, Shape<_64, D, BN>,
-                                      Shape<_64, Int<kHeadDim / kConsumerWarpGroups>, BN>>;
-    using DqWarpGroups = std::conditional_t<kDqSplitRows, WarpGroupsAlongM,
-                                            Layout<Shape<_1, Int<kConsumerWarpGroups>, _1>>>;
-    using MmaDq = decltype(make_tiled_mma(
-        GMMA::ss_op_selector<T, T, float, DqAtom, GMMA::Major::MN, GMMA::Major::MN>(),
-        DqWarpGroups{}));
 
     // Rows of d elements (K, V, Q, dO) and dS^T's rows of block_m, swizzled in the atoms that
     // TMA and WGMMA both read without bank conflicts.
@@ -127,6 +117,68 @@ struct Sm90BwdTraits {
         decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BN, D>());
     using SmemAtomDs =
         decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BN, BM>());
+    // dQ = dS K, (block_m x d), both operands MN-major in shared memory, each consumer group a
+    // block of it. With 128 query rows the groups take 64 rows each. With 64 they split d's
+    // columns where K's swizzle atoms allow (a WGMMA's B operand starts on a whole atom): halves
+    // at d = 128 and 256, 64 + 32 at d = 96, whose 32-column atoms 48 would cut. Equal blocks
+    // are one tiled MMA over both groups (DqWhole); unequal ones a WGMMA per group (DqPart<g>).
+    static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
+    static constexpr int kKAtomCols = decltype(size<1>(SmemAtomK{}))::value;
+    static constexpr int kDqCols0 =
+        kDqSplitRows ? kHeadDim : (kHeadDim / 2 + kKAtomCols - 1) / kKAtomCols * kKAtomCols;
+    static constexpr bool kDqPartsAlike = kDqSplitRows || 2 * kDqCols0 == kHeadDim;
+    struct DqWhole {
+        using TileShape = Shape<BM, D>;
+        using Mma = decltype(make_tiled_mma(
+            GMMA::ss_op_selector<T, T, float,
+                                 std::conditional_t<kDqSplitRows, Shape<_64, D, BN>,
+                                                    Shape<_64, Int<kDqCols0>, BN>>,
+                                 GMMA::Major::MN, GMMA::Major::MN>(),
+            std::conditional_t<kDqSplitRows, WarpGroupsAlongM, WarpGroupsAlongN>{}));
+        static constexpr int kCol0 = 0;
+        // The MMA's thread index of consumer thread t: t itself (of t's type: an unsigned
+        // threadIdx.x keeps the slice's index arithmetic unsigned).
+        template <class I>
+        static __device__ I mma_thread(I t) {
+            return t;
+        }
+    };
+    template <int kGroup>
+    struct DqPart {
+        static constexpr int kCols = kGroup == 0 ? kDqCols0 : kHeadDim - kDqCols0;
+        using TileShape = Shape<_64, Int<kCols>>;
+        using Mma = decltype(make_tiled_mma(
+            GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kCols>, BN>, GMMA::Major::MN,
+                                 GMMA::Major::MN>()));
+        static constexpr int kCol0 = kGroup * kDqCols0;
+        template <class I>
+        static __device__ I mma_thread(I t) {
+            return t % kWarpGroupThreads;
+        }
+        // All block_m = 64 rows, so dS^T is the whole A operand.
+        static_assert(!kDqSplitRows && kCols > 0 && kCols % kKAtomCols == 0 && kCol0 % kCols == 0);
+    };
+    // Floats of group g's block; it starts at group 0's floats in a tile.
+    static constexpr int kDqFloats0 = kDqSplitRows ? kWarpGroupRows * kHeadDim
+                                                   : kBlockM * kDqCols0;
+    static __host__ __device__ constexpr int dq_part_offset(int group) {
+        return group * kDqFloats0;
+    }
+    static __host__ __device__ constexpr int dq_part_floats(int group) {
+        return group == 0 ? kDqFloats0 : kBlockM * kHeadDim - kDqFloats0;
+    }
+    static_assert(kConsumerWarpGroups == 2 && dq_part_floats(1) % (4 * kWarpGroupThreads) == 0 &&
+                  kDqFloats0 % (4 * kWarpGroupThreads) == 0);
+    // Where float4 j of consumer thread t's (0-255) dQ fragment lives in a tile (shared memory
+    // and the accumulator alike): in its group's block, j-major, so that a warp's float4 stores
+    // are contiguous (no bank conflicts) and each block is one bulk reduction. The block's
+    // offset comes from t, not from the group: the index arithmetic's form decides how the
+    // compiler strength-reduces the addresses, and this one keeps the equal splits' code.
+    static __device__ int dq_float4_index(int j, int t) {
+        return t / kWarpGroupThreads * (kDqFloats0 / 4) + j * kWarpGroupThreads +
+               t % kWarpGroupThreads;
+    }
+
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Stages>{}));  // also dO
     // Q (dO) as the B operand of dK (dV), (d, block_m, stages): the same bytes, transposed view.
     using SmemLayoutQt = decltype(composition(
@@ -191,15 +243,6 @@ struct Sm90BwdTraits {
     };
     static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 
-    // Where float4 j of consumer thread t's dQ fragment lives in a tile (shared memory and the
-    // accumulator alike): group by group, and within a group j-major, so that a warp's float4
-    // stores are contiguous (no bank conflicts) and each group's part is one bulk reduction.
-    static constexpr int kDqFloat4PerThread = kBlockM * kHeadDim / 4 / kConsumerThreads;
-    static constexpr int kDqGroupFloats = kBlockM * kHeadDim / kConsumerWarpGroups;
-    static __device__ int dq_float4_index(int j, int t) {
-        return t / kWarpGroupThreads * (kDqFloat4PerThread * kWarpGroupThreads) +
-               j * kWarpGroupThreads + t % kWarpGroupThreads;
-    }
     static_assert(kSmemBytes <= 227 * 1024, "tile does not fit shared memory");
 };
 

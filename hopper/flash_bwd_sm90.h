@@ -120,7 +120,6 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     flash_bwd_dq_sm90_kernel(const __grid_constant__ BwdParams p,
                              const __grid_constant__ Sm90BwdRows rows) {
     using T = typename Traits::Element;
-    using BM = typename Traits::BM;
     using D = typename Traits::D;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kD = D::value;
@@ -135,25 +134,37 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     const SeqInfo seq(p, bidb);
     const int m0 = m * kBlockM;
     if (m0 >= seq.seqlen_q) return;
-    typename Traits::MmaDq mma_dq;
-    auto thr = mma_dq.get_thread_slice(threadIdx.x);
-    Tensor acc = partition_fragment_C(mma_dq, Shape<BM, D>{});
-    Tensor coord = thr.partition_C(make_identity_tensor(Shape<BM, D>{}));
-    const float4* src = reinterpret_cast<const float4*>(
-        rows.dq_accum + (rows.offset<kBlockM>(p, seq.row_q, bidb, bidh) + m0) * kD);
-    CUTE_UNROLL
-    for (int j = 0; j < size(acc) / 4; ++j) {
-        const float4 v = src[Traits::dq_float4_index(j, threadIdx.x)];
-        acc(4 * j) = v.x * p.softmax_scale;
-        acc(4 * j + 1) = v.y * p.softmax_scale;
-        acc(4 * j + 2) = v.z * p.softmax_scale;
-        acc(4 * j + 3) = v.w * p.softmax_scale;
-    }
-    Tensor r = convert_fragment<T>(acc);
-    CUTE_UNROLL
-    for (int i = 0; i < size(r); i += 2) {
-        *reinterpret_cast<uint32_t*>(&tile[get<0>(coord(i)) * kRowPitch + get<1>(coord(i))]) =
-            *reinterpret_cast<uint32_t const*>(&r(i));
+    // Thread t reads back what consumer thread t wrote: its group's block of the tile.
+    auto stage_block = [&](auto part) {
+        using Part = decltype(part);
+        typename Part::Mma mma_dq;
+        auto thr = mma_dq.get_thread_slice(Part::mma_thread(threadIdx.x));
+        Tensor acc = partition_fragment_C(mma_dq, typename Part::TileShape{});
+        Tensor coord = thr.partition_C(make_identity_tensor(typename Part::TileShape{}));
+        const float4* src = reinterpret_cast<const float4*>(
+            rows.dq_accum + (rows.offset<kBlockM>(p, seq.row_q, bidb, bidh) + m0) * kD);
+        CUTE_UNROLL
+        for (int j = 0; j < size(acc) / 4; ++j) {
+            const float4 v = src[Traits::dq_float4_index(j, threadIdx.x)];
+            acc(4 * j) = v.x * p.softmax_scale;
+            acc(4 * j + 1) = v.y * p.softmax_scale;
+            acc(4 * j + 2) = v.z * p.softmax_scale;
+            acc(4 * j + 3) = v.w * p.softmax_scale;
+        }
+        Tensor r = convert_fragment<T>(acc);
+        CUTE_UNROLL
+        for (int i = 0; i < size(r); i += 2) {
+            const int col = Part::kCol0 + get<1>(coord(i));
+            *reinterpret_cast<uint32_t*>(&tile[get<0>(coord(i)) * kRowPitch + col]) =
+                *reinterpret_cast<uint32_t const*>(&r(i));
+        }
+    };
+    if constexpr (Traits::kDqPartsAlike) {
+        stage_block(typename Traits::DqWhole{});
+    } else if (threadIdx.x < kWarpGroupThreads) {
+        stage_block(typename Traits::template DqPart<0>{});
+    } else {
+        stage_block(typename Traits::template DqPart<1>{});
     }
     __syncthreads();
     T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_stride, p, bidb, m0, bidh);

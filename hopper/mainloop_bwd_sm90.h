@@ -4,7 +4,7 @@
 //   Consumers (a warp group per 64 key rows): S^T = K Q^T and dP^T = V dO^T, the score policy
 //   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q from registers, and
 //   dQ = dS K with dS from shared memory; each tile's dQ goes back to shared memory.
-//   dQ warp: adds each group's half of a tile's dQ to the fp32 accumulator with a bulk
+//   dQ warp: adds each group's block of a tile's dQ to the fp32 accumulator with a bulk
 //   reduction.
 #pragma once
 
@@ -197,14 +197,14 @@ struct Sm90BwdMainloop {
         }
     }
 
-    // A group's part of a tile's dQ (acc_dq, done) to shared memory for the dQ warp, once the
-    // dQ warp has read the part before.
+    // A group's block of a tile's dQ (acc_dq, done; Traits::DqWhole or DqPart) to shared memory
+    // for the dQ warp, once the dQ warp has read the block before.
     template <class AccDq>
     static __forceinline__ __device__ void store_dq(AccDq const& acc_dq, SharedStorage& ss,
                                                     int ctid, int group) {
         barrier_sync(dq_empty(group), kDqSyncThreads);
         float4* dq = reinterpret_cast<float4*>(ss.dq);
-        static_assert(decltype(size(acc_dq))::value / 4 == Traits::kDqFloat4PerThread);
+        static_assert(decltype(size(acc_dq))::value % 4 == 0);
         CUTE_UNROLL
         for (int j = 0; j < size(acc_dq) / 4; ++j) {
             dq[Traits::dq_float4_index(j, ctid)] =
@@ -242,18 +242,42 @@ struct Sm90BwdMainloop {
 
         typename Traits::MmaSdP mma_sdp;
         typename Traits::MmaKV mma_kv;
-        typename Traits::MmaDq mma_dq;
         auto thr_sdp = mma_sdp.get_thread_slice(ctid);
         auto thr_kv = mma_kv.get_thread_slice(ctid);
-        auto thr_dq = mma_dq.get_thread_slice(ctid);
         Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, 1, d/16)
         Tensor tSrV = thr_sdp.partition_fragment_A(sV);
         Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, d/16, stages)
         Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
         Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
         Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
-        Tensor tDqrDs = thr_dq.partition_fragment_A(sDsT);  // (MMA, 1, block_n/16, buffers)
-        Tensor tDqrKt = thr_dq.partition_fragment_B(sKt);   // (MMA, 1, block_n/16)
+        // dQ = dS K of a group's block (Traits::DqWhole or DqPart), this thread's operands: dS^T
+        // (MMA, 1, block_n/16, buffers) and the block's columns of K (MMA, 1, block_n/16).
+        auto dq_ds = [&](auto part) {
+            using Part = decltype(part);
+            auto thr_dq = typename Part::Mma{}.get_thread_slice(Part::mma_thread(ctid));
+            return thr_dq.partition_fragment_A(sDsT);
+        };
+        auto dq_kt = [&](auto part) {
+            using Part = decltype(part);
+            using Cols = decltype(size<1>(typename Part::TileShape{}));
+            auto thr_dq = typename Part::Mma{}.get_thread_slice(Part::mma_thread(ctid));
+            return thr_dq.partition_fragment_B(local_tile(
+                sKt, Shape<Cols, BN>{}, make_coord(Int<Part::kCol0 / Cols::value>{}, _0{})));
+        };
+        // One tiled MMA over both groups (DqWhole) has its operands partitioned once, here, and
+        // used in place: a copy (into a tuple, a by-value argument) moves the GMMA descriptors as
+        // 64-bit words, which changed the code of d = 64 and 128 (spills at d = 64). Where the
+        // groups' blocks differ (d = 96) dq_step partitions its group's.
+        using DqWhole = typename Traits::DqWhole;
+        auto whole_only = [](auto partition) {
+            if constexpr (Traits::kDqPartsAlike) {
+                return partition(DqWhole{});
+            } else {
+                return 0;
+            }
+        };
+        auto tDqrDs = whole_only(dq_ds);
+        auto tDqrKt = whole_only(dq_kt);
 
         auto store_ds = typename Traits::StoreDs{}.get_thread_slice(ctid);
         Tensor tDssDs = store_ds.partition_D(sDs);  // (copy, rows, cols, buffers)
@@ -261,7 +285,6 @@ struct Sm90BwdMainloop {
         // This thread's (key, query) coordinates of the S^T tile, as a (rows, cols) view.
         Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<BN, BM>{}));
         Tensor cS_rc = make_tensor(cS.data(), wgmma_acc_as_rows_cols(cS.layout()));
-        static_assert(decltype(size(partition_fragment_C(mma_dq, Shape<BM, D>{})))::value % 4 == 0);
 
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
@@ -274,6 +297,8 @@ struct Sm90BwdMainloop {
             // columns.
             const int group = consumer_group();
             Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
+            static_assert(Traits::kDqPartsAlike);
+            typename DqWhole::Mma mma_dq;
             auto step = [&](int m, auto softcap) {
                 constexpr bool kSoftcap = decltype(softcap)::value;
                 const int m0 = m * kBlockM;
@@ -320,7 +345,7 @@ struct Sm90BwdMainloop {
                 do_pipe.consumer_release(do_state);
                 ++q_state;
                 ++do_state;
-                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+                Tensor acc_dq = partition_fragment_C(mma_dq, typename DqWhole::TileShape{});
                 wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, buffer), tDqrKt, acc_dq);
                 warpgroup_wait<0>();
                 store_dq(acc_dq, ss, ctid, group);
@@ -338,15 +363,29 @@ struct Sm90BwdMainloop {
             constexpr int kPairThreads = Traits::kConsumerThreads;
             auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
 
-            // dQ of query tile m = dS K, from both groups' rows of dS^T(m) (the other group's once
-            // it has signalled them), to shared memory for the dQ warp. Its wait for every GEMM
-            // issued also completes the calling step's dV and dK.
-            auto dq_step = [&](int m) {
+            // dQ of query tile m = dS K, this group's block (Traits::DqWhole or DqPart) from both
+            // groups' rows of dS^T(m) (the other group's once it has signalled them), to shared
+            // memory for the dQ warp. Its wait for every GEMM issued also completes the calling
+            // step's dV and dK.
+            auto dq_block = [&](int m, auto part, auto const& tDqrDs, auto const& tDqrKt) {
+                using Part = decltype(part);
+                typename Part::Mma mma_dq;
                 barrier_sync(ds_full(1 - group, ds_buffer(m)), kPairThreads);
-                Tensor acc_dq = partition_fragment_C(mma_dq, Shape<BM, D>{});
+                Tensor acc_dq = partition_fragment_C(mma_dq, typename Part::TileShape{});
                 wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
                 warpgroup_wait<0>();
                 store_dq(acc_dq, ss, ctid, group);
+            };
+            auto dq_step = [&](int m) {
+                if constexpr (Traits::kDqPartsAlike) {
+                    dq_block(m, DqWhole{}, tDqrDs, tDqrKt);
+                } else if (group == 0) {
+                    using Part = typename Traits::template DqPart<0>;
+                    dq_block(m, Part{}, dq_ds(Part{}), dq_kt(Part{}));
+                } else {
+                    using Part = typename Traits::template DqPart<1>;
+                    dq_block(m, Part{}, dq_ds(Part{}), dq_kt(Part{}));
+                }
             };
 
             // One query tile. Without softcap P^T is computed while the dP^T GEMM runs, and the dV
@@ -422,12 +461,11 @@ struct Sm90BwdMainloop {
 
     // A consumer group and the dQ warp meet at the group's dQ barriers.
     static constexpr int kDqSyncThreads = kWarpGroupThreads + 32;
-    static constexpr uint32_t kDqGroupBytes = Traits::kDqGroupFloats * sizeof(float);
     static_assert(Traits::kConsumerWarpGroups == 2);
 
-    // The dQ warp (BwdProducerWarp::kDqReduce): adds each consumer group's half of a query
+    // The dQ warp (BwdProducerWarp::kDqReduce): adds each consumer group's block of a query
     // tile's dQ from shared memory to the fp32 accumulator with a bulk reduction, and hands that
-    // half back to its group once the copy engine has read it.
+    // block back to its group once the copy engine has read it.
     static __device__ void reduce_dq(Args const& a, SharedStorage& ss, SeqInfo const& seq,
                                      int bidb, int bidh, Sm90BwdGeometry const& g) {
         const bool issuer = threadIdx.x % 32 == 0;
@@ -436,7 +474,7 @@ struct Sm90BwdMainloop {
         const int n_block = g.n0 / kBlockN;
         const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
         const DqTurns<kBlockM, kBlockN> turns(a.p.dq_turns, a.m_blocks, a.p.nheads, bidb, bidh);
-        // Each group's half of the buffer starts free.
+        // Each group's block of the buffer starts free.
         auto give_back = [&](int group) { barrier_arrive(dq_empty(group), kDqSyncThreads); };
         for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) give_back(group);
         for (int m = g.m_first; m < g.m_last; ++m) {
@@ -445,15 +483,16 @@ struct Sm90BwdMainloop {
             if (issuer && turns.enabled()) turns.wait(m, rank);
             __syncwarp();
             const bool more = m + 1 < g.m_last;
-            // Each half goes back to its group as soon as the copy engine has read it, so that
-            // group 0 does not wait for group 1's half (deterministic mode hands both back
+            // Each block goes back to its group as soon as the copy engine has read it, so that
+            // group 0 does not wait for group 1's block (deterministic mode hands both back
             // once the tile's addition is done and the turn passed).
             CUTE_UNROLL
             for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) {
                 barrier_sync(dq_full(group), kDqSyncThreads);
                 if (issuer) {
-                    bulk_reduce_add(dst + group * Traits::kDqGroupFloats,
-                                    ss.dq + group * Traits::kDqGroupFloats, kDqGroupBytes);
+                    const int offset = Traits::dq_part_offset(group);
+                    bulk_reduce_add(dst + offset, ss.dq + offset,
+                                    uint32_t(sizeof(float)) * Traits::dq_part_floats(group));
                     tma_store_arrive();
                     if (!turns.enabled()) bulk_wait_read<0>();
                 }

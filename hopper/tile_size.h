@@ -67,8 +67,8 @@ struct Sm90BwdTile {
 // dV += P^T dO and dK += dS^T Q; dQ = dS K reads dS from shared memory. Registers per consumer
 // thread: dK and dV d / 2 floats each, S^T and dP^T block_m / 2 each.
 // d <= 64: block_m = 128 (S^T, dP^T 64 floats each beside dK, dV 32 each): more work per Q/dO
-// load and per dQ atomic. d = 128: block_m = 64, since dK and dV already take 128 floats
-// (80, with dQ^T, spilled 144 bytes and ran at 0.97-1.02 of 64, 2026-11-25).
+// load and per dQ atomic. d = 96, 128: block_m = 64, since dK and dV take 96-128 floats
+// (at d = 128, 80 with dQ^T spilled 144 bytes and ran at 0.97-1.02 of 64, 2026-11-25).
 // Two Q/dO stages let the next query tile load while this one computes.
 // mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
 // at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
@@ -86,8 +86,7 @@ constexpr Sm90BwdTile sm90_bwd_tile(int d) {
 
 // Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
 // dV no longer fit the registers of a 64-row warp group, and the wide tile's column halves
-// fall on whole swizzle atoms only at d = 256; at d = 96 the halves of dQ's columns (48) do not
-// fall on whole swizzle atoms of K.
-constexpr bool sm90_bwd_supported(int d) { return d <= 64 || d == 128 || d == 256; }
+// fall on whole swizzle atoms only at d = 256.
+constexpr bool sm90_bwd_supported(int d) { return d <= 128 || d == 256; }
 
 }  // namespace flash
