@@ -29,8 +29,8 @@ enum class BwdBarrier : int {
     kDsFull = 2,
     // Wide tile, all consumer threads, in the epilogue: every group's last GEMM has read K and
     // V (their buffers then hold dK and dV), and later every thread has written its part of
-    // them. The 16 ids are all taken, so it shares kPdsFull's id: the same threads, each past
-    // its last kPdsFull sync by then.
+    // them. It shares kPdsFull's id: the same threads, each past its last kPdsFull sync by
+    // then.
     kEpilogue = kPdsFull,
     // Per consumer group g (ids + g), between that group and the dQ warp only, so that neither
     // group waits for the other's dQ:
@@ -258,7 +258,8 @@ struct Sm90BwdTraits {
 // each thread writes its fragment to shared memory without bank conflicts, and each consumer
 // group's part of the tile is added to the accumulator in one bulk reduction. Rows past a
 // sequence's end get exact zeros (their P is 0). The dQ kernel reads it back through the same
-// fragment mapping.
+// fragment mapping. It starts at zero: the row kernel clears its rows for batched inputs, the
+// launcher's memset the whole workspace for varlen.
 struct Sm90BwdRows {
     float* lse_log2 = nullptr;
     float* dsum = nullptr;

@@ -1,6 +1,7 @@
 // SM90 backward, three launches:
 //   1. rows:     per query row, rowsum(dO * O) and the log2-scaled LSE into the padded row
-//                buffers the main kernel bulk-copies (Sm90BwdRows).
+//                buffers the main kernel bulk-copies (Sm90BwdRows); for batched inputs it also
+//                zeroes the rows' dQ accumulator (varlen clears the whole workspace first).
 //   2. main:     warp-specialised, one CTA per (key tile, head, batch): warp group 0 produces
 //                (TMA loads of K, V once and of Q, dO per query tile; registers lowered with
 //                setmaxnreg), the consumer warp groups compute (Sm90BwdMainloop) and store dK,
@@ -28,8 +29,9 @@
 namespace flash {
 
 // Fills the padded row buffers: rows of a sequence's last tile past its end get LSE = +inf and
-// D = 0. kRowKernelRows rows per CTA of 256 threads, d / 8 threads per row (one 16-byte load of
-// O and of dO each), so that a CTA's loads for all its rows are issued before any is used: with
+// D = 0. kRowKernelRows rows per CTA of 256 threads, d / 8 threads per row rounded down to a
+// power of two, at most 32 (each one or two 16-byte loads of O and of dO per row: two at
+// d = 96), so that a CTA's loads for all its rows are issued before any is used: with
 // a warp per row, half its lanes idle at d = 128 and one row's loads in flight, this kernel ran
 // at half the memory bandwidth. With clear_dq (batched inputs, where the launch does not clear
 // the whole workspace) it also zeroes the dQ accumulator of its rows.
@@ -87,12 +89,7 @@ __global__ void __launch_bounds__(kRowKernelThreads)
     for (int k = 0; k < kPasses; ++k) {
         float acc = 0.f;
         CUTE_UNROLL
-        for (int c = 0; c < kChunks; ++c) {
-            const T* oe = reinterpret_cast<const T*>(&o[k][c]);
-            const T* de = reinterpret_cast<const T*>(&d_o[k][c]);
-            CUTE_UNROLL
-            for (int i = 0; i < 8; ++i) acc += float(oe[i]) * float(de[i]);
-        }
+        for (int c = 0; c < kChunks; ++c) acc = dot8<T>(o[k][c], d_o[k][c], acc);
         CUTE_UNROLL
         for (int s = kRowThreads / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
         const int row = row_begin + k * kRowsPerPass + int(threadIdx.x) / kRowThreads;
