@@ -269,7 +269,8 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
     // outside every sequence, which the bulk copies of a tile may read, so varlen clears the
     // whole workspace here. Batched rows all belong to a sequence: the row kernel zeroes their
     // accumulator as it passes.
-    cudaMemsetAsync(ws, 0, (varlen ? (2 + kD) * entries + turns : turns) * sizeof(float), stream);
+    const int64_t cleared = varlen ? (2 + kD) * entries + turns : turns;
+    if (cleared > 0) cudaMemsetAsync(ws, 0, cleared * sizeof(float), stream);
     const int padded_q = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
     const unsigned row_grid =
         unsigned((padded_q + kRowKernelRows - 1) / kRowKernelRows) * p.batch * p.nheads;
