@@ -65,17 +65,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
     p.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--deterministic", action="store_true", help="bwd: deterministic=True")
+    p.add_argument("--alibi", action="store_true",
+                   help="ALiBi slopes 2^(-8 (h + 1) / heads) per head, as in the ALiBi paper")
     return p.parse_args(argv)
 
 
 def make_call(ext: Any, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool, deterministic: bool = False) -> Callable[[], object]:
+              causal: bool, deterministic: bool = False,
+              alibi_slopes: torch.Tensor | None = None) -> Callable[[], object]:
     """The timed call: the forward binding, or the backward binding on this build's own
-    forward output. q, k, v: (batch, seqlen, nheads, headdim)."""
+    forward output. q, k, v: (batch, seqlen, nheads, headdim); alibi_slopes: (nheads,) fp32."""
     s, d = q.shape[1], q.shape[-1]
 
     def fwd() -> list[torch.Tensor]:
-        return ext.fwd(q, k, v, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0)
+        return ext.fwd(q, k, v, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0,
+                       alibi_slopes=alibi_slopes)
 
     if which == "fwd":
         return fwd
@@ -84,7 +88,7 @@ def make_call(ext: Any, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
     def bwd() -> list[torch.Tensor]:
         return ext.bwd(dout, q, k, v, out, lse, None, None, s, s, d ** -0.5, causal, -1, -1,
-                       0.0, deterministic)
+                       0.0, deterministic, alibi_slopes=alibi_slopes)
 
     return bwd
 
@@ -114,11 +118,15 @@ def main(argv: list[str] | None = None) -> None:
             batch, heads = max(1, 16384 // s), 2048 // d
             q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
                        for _ in range(3))
+            slopes = None
+            if args.alibi:
+                slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],
+                                      device="cuda", dtype=torch.float32)
             for causal in causals:
                 flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
                 if args.which == "bwd":
                     flops *= 2.5
-                calls = {n: make_call(ext, args.which, q, k, v, causal, args.deterministic)
+                calls = {n: make_call(ext, args.which, q, k, v, causal, args.deterministic, slopes)
                          for n, ext in builds.items()}
                 tflops: dict[str, list[float]] = {n: [] for n in names}
                 for _ in range(args.rounds):
