@@ -643,9 +643,10 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     const cudaStream_t stream = current_stream(q_in);
     const Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
     // The SM90 kernels read a paged K/V by TMA, a key block at a time where pages hold whole
-    // key blocks, else in boxes of 8 rows (a swizzle atom's height); pages of other sizes, and a
-    // left pad with pages (which moves the rows off those boundaries), run on the SM80 kernels,
-    // which gather a paged block row by row. So does dropout, which only they draw.
+    // key blocks, else in boxes of as many rows as the page allows (8 to 64: whole swizzle
+    // atoms); pages of other sizes, and a left pad with pages (which moves the rows off those
+    // boundaries), run on the SM80 kernels, which gather a paged block row by row. So does
+    // dropout, which only they draw.
     const bool sm90_ok =
         dropout_p <= 0.0 &&
         (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
@@ -657,19 +658,15 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
         pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
                   : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
     Tensor lse = empty_on(q, lse_shape, ScalarType::Float);
-    if (pb.varlen) {
-        // Rows outside every sequence (or past max_seqlen_q) get no kernel writes: they read as
-        // attending to nothing, like the reference.
+    // Rows that get no kernel writes read as attending to nothing, like the reference: varlen
+    // rows outside every sequence (or past max_seqlen_q), and every row when there are no keys
+    // at all (no kernel runs then: a TMA view cannot be empty).
+    const bool no_keys = pb.seqlen_k == 0 || pb.total_k == 0;
+    if (pb.varlen || no_keys) {
         torch::stable::zero_(out);
         torch::stable::fill_(lse, std::numeric_limits<double>::infinity());
     }
-    if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0) return {out, lse};
-    if (pb.seqlen_k == 0 || pb.total_k == 0) {
-        // No keys at all: every row attends to nothing (and a TMA view cannot be empty).
-        torch::stable::zero_(out);
-        torch::stable::fill_(lse, std::numeric_limits<double>::infinity());
-        return {out, lse};
-    }
+    if (pb.batch == 0 || pb.seqlen_q == 0 || pb.total_q == 0 || no_keys) return {out, lse};
 
     flash::FwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
