@@ -341,7 +341,7 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         batch_k,
         sched};
     if (Traits::kBand && p.block_table != nullptr && p.page_size % Traits::kBlockN != 0) {
-        Traits::make_paged_rows(args.paged_rows, Traits::box_rows(p.page_size), gmem_k, gmem_v);
+        Traits::make_paged_rows(args.paged_rows, p.page_size, gmem_k, gmem_v);
     }
 
     const Sm90Launch<Traits> launch(std::max(grid, 1), stream);

@@ -145,24 +145,39 @@ struct Sm90FwdTraits {
         KVRowsTma<16> r16;
         KVRowsTma<32> r32;
         KVRowsTma<64> r64;
+
     };
-    // Fills in the pair of the box height `rows` (box_rows); the launch leaves the others empty,
-    // so that an unpaged call encodes no descriptor for them.
-    template <class Gmem>
-    static void make_paged_rows(PagedRowsTma& t, int rows, Gmem const& k, Gmem const& v) {
-        auto fill = [&](auto height, auto& pair) {
-            constexpr int kRows = decltype(height)::value;
-            if constexpr (kBlockN % kRows == 0) {
-                pair.k = make_tma_kv_rows<kRows>(k);
-                pair.v = make_tma_kv_rows<kRows>(v);
-            }
+    // t's pair of descriptors for boxes of kRows rows (t: a PagedRowsTma, const or not).
+    template <int kRows, class Rows>
+    __host__ __device__ static auto& paged_pair(Rows& t) {
+        if constexpr (kRows == 64) return t.r64;
+        else if constexpr (kRows == 32) return t.r32;
+        else if constexpr (kRows == 16) return t.r16;
+        else return t.r8;
+    }
+    // fn(Int<box_rows(page_size)>{}), the one place that turns the run-time height into a type
+    // (heights that do not divide the key block are never chosen, and get no call).
+    template <class Fn>
+    __host__ __device__ static void with_box_rows(int page_size, Fn&& fn) {
+        auto call = [&](auto rows) {
+            if constexpr (kBlockN % decltype(rows)::value == 0) fn(rows);
         };
-        switch (rows) {
-            case 64: fill(_64{}, t.r64); break;
-            case 32: fill(_32{}, t.r32); break;
-            case 16: fill(_16{}, t.r16); break;
-            default: fill(_8{}, t.r8); break;
+        switch (box_rows(page_size)) {
+            case 64: call(_64{}); break;
+            case 32: call(_32{}); break;
+            case 16: call(_16{}); break;
+            default: call(_8{}); break;
         }
+    }
+    // Fills in the pair of the box height for pages of page_size rows; the launch leaves the
+    // others empty, so that an unpaged call encodes no descriptor for them.
+    template <class Gmem>
+    static void make_paged_rows(PagedRowsTma& t, int page_size, Gmem const& k, Gmem const& v) {
+        with_box_rows(page_size, [&](auto rows) {
+            constexpr int kRows = decltype(rows)::value;
+            paged_pair<kRows>(t).k = make_tma_kv_rows<kRows>(k);
+            paged_pair<kRows>(t).v = make_tma_kv_rows<kRows>(v);
+        });
     }
 
     // The output leaves through shared memory and a TMA store (batched tiles, d >= 128; the

@@ -206,22 +206,15 @@ struct Sm90FwdMainloop {
         // is_k: true_type for K, false_type for V.
         auto load_paged_rows = [&](auto is_k, auto& pipe, PipeState& state, auto const& s,
                                    int n) {
-            auto pick = [&](auto rows, auto const& pair) {
-                if constexpr (kBlockN % decltype(rows)::value == 0) {
-                    if constexpr (decltype(is_k)::value) {
-                        load_rows(rows, pipe, state, pair.k, s, n);
-                    } else {
-                        load_rows(rows, pipe, state, pair.v, s, n);
-                    }
+            Traits::with_box_rows(p.page_size, [&](auto rows) {
+                auto const& pair =
+                    Traits::template paged_pair<decltype(rows)::value>(a.paged_rows);
+                if constexpr (decltype(is_k)::value) {
+                    load_rows(rows, pipe, state, pair.k, s, n);
+                } else {
+                    load_rows(rows, pipe, state, pair.v, s, n);
                 }
-            };
-            auto const& t = a.paged_rows;
-            switch (Traits::box_rows(p.page_size)) {
-                case 64: pick(_64{}, t.r64); break;
-                case 32: pick(_32{}, t.r32); break;
-                case 16: pick(_16{}, t.r16); break;
-                default: pick(_8{}, t.r8); break;
-            }
+            });
         };
         auto load_kv = [&](auto is_k, auto& pipe, PipeState& state, auto const& tma,
                            auto const& s, auto const& gmem, int n) {
