@@ -367,11 +367,11 @@ class _CopyEngineRing(_Ring):
 
     Each rank writes its message straight into the next rank's receive slot: symmetric memory
     (torch.distributed._symmetric_memory) maps the next rank's slots into this rank's address
-    space, and torch's copy of a contiguous tensor is a cudaMemcpyAsync, which the copy
-    engines run. Streams order the copies with 32-bit words written and waited for by stream
-    memory operations (the extension's ``stream_value32`` op). Neither takes an SM: NCCL's
-    transfer kernel needs SMs, which the SM90 forward's persistent grid holds (a step with both took 17.4 ms
-    against 12.3 for the kernel alone; leaving 8 SMs to NCCL costs the kernel about 9%), and
+    space, and torch's copy of a contiguous tensor is a cudaMemcpyAsync, which the copy engines
+    run. Streams order the copies with 32-bit words written and waited for by stream memory
+    operations (the extension's ``stream_value32`` op). Neither takes an SM: NCCL's transfer
+    kernel needs SMs, which the SM90 forward's persistent grid holds (a step with both took 17.4
+    ms against 12.3 for the kernel alone; leaving 8 SMs to NCCL costs the kernel about 9%), and
     in the backward a transfer kernel queued behind an attention kernel's CTAs started only at
     that kernel's tail (4 x H100, 2026-11-27).
 
