@@ -215,6 +215,15 @@ struct Sm90BwdTraits {
                                         take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
     using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemTensor>(),
                                         SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+    // The epilogue stages dK and dV in K's layout (stmatrix of the accumulators' 8 x 8 blocks)
+    // and stores them by TMA in boxes of 16 rows (a warp's) by one swizzle atom of columns: a
+    // K/V buffer holds a row's atoms block_n rows apart.
+    static constexpr int kOutRows = 16;
+    using OutBox = Shape<Int<kOutRows>, Int<kKAtomCols>>;
+    using SmemLayoutOutBox = decltype(tile_to_shape(SmemAtomK{}, OutBox{}));
+    using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemTensor>(),
+                                          SmemLayoutOutBox{}, OutBox{}, _1{}));
+    using StoreKv = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaKV{}));
 
     using QPipe = OperandPipeline<QOperand, kStages>;
     using DoPipe = OperandPipeline<DoOperand, kStages>;
@@ -295,6 +304,8 @@ struct Sm90BwdArgs {
     typename Traits::TmaQ tma_do;
     typename Traits::TmaK tma_k;
     typename Traits::TmaK tma_v;
+    typename Traits::TmaOut tma_dk;
+    typename Traits::TmaOut tma_dv;
     Sm90BwdRows rows;
     int m_blocks;  // query tiles per (batch, head): the stride of p.dq_turns
     // Extents of the TMA views: varlen has rows = total and batch = 1.

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
                               acc_dk, acc_dv);
         }
-        Epilogue::store(p, ss, seq, bidh, g, acc_dk, acc_dv);
+        Epilogue::store(a, ss, seq, bidb, bidh, g, acc_dk, acc_dv);
     }
 }
 
@@ -291,11 +291,17 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
         return make_tma_copy(SM90_TMA_LOAD{}, gmem(ptr, rows_k, p.nheads_k, s),
                              typename Traits::SmemLayoutK{}, Shape<BN, D>{}, _1{});
     };
+    auto tma_out = [&](const void* ptr, TensorStrides const& s) {
+        return make_tma_copy(SM90_TMA_STORE{}, gmem(ptr, rows_k, p.nheads, s),
+                             typename Traits::SmemLayoutOutBox{}, typename Traits::OutBox{}, _1{});
+    };
     const Sm90BwdArgs<Traits> args{p,
                                    tma_q(p.q, p.q_stride),
                                    tma_q(p.dout, p.do_stride),
                                    tma_k(p.k, p.k_stride),
                                    tma_k(p.v, p.v_stride),
+                                   tma_out(p.dk, p.dk_stride),
+                                   tma_out(p.dv, p.dv_stride),
                                    rows,
                                    m_blocks,
                                    rows_q,
