@@ -61,6 +61,20 @@ enum class BwdProducerWarp : int {
     kDqReduce = 1,  // bulk reductions of each tile's dQ into the fp32 accumulator
 };
 
+// Columns [kCol0, kCol0 + kCols) of a shared-memory tensor whose mode 0 is d's columns (K^T, Q^T,
+// dO^T), its other modes whole: a consumer group's block of a WGMMA's MN-major B operand. The
+// swizzle stays with the layout (the offset joins the composed layout's), so the block must
+// start on a whole swizzle atom.
+template <int kCol0, int kCols, class Engine, class Layout>
+__device__ auto smem_cols(Tensor<Engine, Layout> const& t) {
+    if constexpr (rank_v<Layout> == 2) {
+        return domain_offset(make_coord(Int<kCol0>{}, _0{}), t).compose(Int<kCols>{}, _);
+    } else {
+        static_assert(rank_v<Layout> == 3);
+        return domain_offset(make_coord(Int<kCol0>{}, _0{}, _0{}), t).compose(Int<kCols>{}, _, _);
+    }
+}
+
 // kAlibi: its own instantiation, so kernels without ALiBi keep their registers.
 template <class T, int kHeadDim, bool kAlibi_>
 struct Sm90BwdTraits {
@@ -97,8 +111,9 @@ struct Sm90BwdTraits {
         GMMA::ss_op_selector<T, T, float, Shape<_64, SdPColumns, D>>(),
         std::conditional_t<kWide, WarpGroupsAlongN, WarpGroupsAlongM>{}));
     // dV += P^T dO and dK += dS^T Q, (block_n x d): A is the previous GEMMs' accumulator in
-    // registers (wide: P^T and dS^T from shared memory, K-major, each group half of d's
-    // columns), B is dO or Q read MN-major (their rows are the K dimension).
+    // registers (wide: P^T and dS^T from shared memory, K-major, each group half of d's columns
+    // where the halves are whole swizzle atoms, else KvPart below), B is dO or Q read MN-major
+    // (their rows are the K dimension).
     using MmaKV = std::conditional_t<
         kWide,
         decltype(make_tiled_mma(
@@ -120,10 +135,14 @@ struct Sm90BwdTraits {
     // dQ = dS K, (block_m x d), both operands MN-major in shared memory, each consumer group a
     // block of it. With 128 query rows the groups take 64 rows each. With 64 they split d's
     // columns where K's swizzle atoms allow (a WGMMA's B operand starts on a whole atom): halves
-    // at d = 128 and 256, 64 + 32 at d = 96, whose 32-column atoms 48 would cut. Equal blocks
-    // are one tiled MMA over both groups (DqWhole); unequal ones a WGMMA per group (DqPart<g>).
+    // at d = 128 and 256; group 0 half rounded up to whole atoms elsewhere: 64 + 32 at d = 96,
+    // whose 32-column atoms 48 would cut, 96 + 64, 128 + 64, 128 + 96 at d = 160, 192, 224.
+    // Equal blocks are one tiled MMA over both groups (DqWhole); unequal ones a WGMMA per group
+    // (DqPart<g>). The wide tile splits dK's and dV's columns the same way (KvWhole, KvPart<g>).
     static constexpr bool kDqSplitRows = kBlockM == kWarpGroupRows * kConsumerWarpGroups;
     static constexpr int kKAtomCols = decltype(size<1>(SmemAtomK{}))::value;
+    // Q^T and dO^T are split where K^T is: the same atoms.
+    static_assert(decltype(size<1>(SmemAtomQ{}))::value == kKAtomCols);
     static constexpr int kDqCols0 =
         kDqSplitRows ? kHeadDim : (kHeadDim / 2 + kKAtomCols - 1) / kKAtomCols * kKAtomCols;
     static constexpr bool kDqPartsAlike = kDqSplitRows || 2 * kDqCols0 == kHeadDim;
@@ -156,8 +175,46 @@ struct Sm90BwdTraits {
             return t % kWarpGroupThreads;
         }
         // All block_m = 64 rows, so dS^T is the whole A operand.
-        static_assert(!kDqSplitRows && kCols > 0 && kCols % kKAtomCols == 0 && kCol0 % kCols == 0);
+        static_assert(!kDqSplitRows && kCols > 0 && kCols % kKAtomCols == 0);
     };
+    // A consumer group's dV and dK GEMMs and their accumulators' tile. KvWhole: one tiled MMA
+    // over both groups (MmaKV: 64 key rows each, or the wide tile's column halves). KvPart<g>:
+    // the wide tile where halves would cut swizzle atoms, a WGMMA of group g over DqPart<g>'s
+    // columns of dO^T and Q^T; its dQ block is that part's (Dq).
+    struct KvWhole {
+        using Mma = MmaKV;
+        using TileShape = Shape<BN, D>;
+        static constexpr int kCol0 = 0;
+        template <class I>
+        static __device__ I mma_thread(I t) {
+            return t;
+        }
+        template <class Tn>
+        static __device__ Tn const& cols(Tn const& t) {
+            return t;
+        }
+    };
+    template <int kGroup>
+    struct KvPart {
+        using Dq = DqPart<kGroup>;
+        static constexpr int kCols = Dq::kCols;
+        static constexpr int kCol0 = Dq::kCol0;
+        using Mma = decltype(make_tiled_mma(
+            GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kCols>, BM>, GMMA::Major::K,
+                                 GMMA::Major::MN>()));
+        using TileShape = Shape<BN, Int<kCols>>;
+        template <class I>
+        static __device__ I mma_thread(I t) {
+            return Dq::mma_thread(t);
+        }
+        template <class Tn>
+        static __device__ auto cols(Tn const& t) {
+            return smem_cols<kCol0, kCols>(t);
+        }
+        static_assert(kWide && kBlockN == kWarpGroupRows);
+    };
+    // The wide tile's groups each run a KvPart where their blocks differ.
+    static constexpr bool kKvParts = kWide && !kDqPartsAlike;
     // Floats of group g's block; it starts at group 0's floats in a tile.
     static constexpr int kDqFloats0 = kDqSplitRows ? kWarpGroupRows * kHeadDim
                                                    : kBlockM * kDqCols0;
@@ -223,7 +280,6 @@ struct Sm90BwdTraits {
     using SmemLayoutOutBox = decltype(tile_to_shape(SmemAtomK{}, OutBox{}));
     using TmaOut = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemTensor>(),
                                           SmemLayoutOutBox{}, OutBox{}, _1{}));
-    using StoreKv = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaKV{}));
 
     using QPipe = OperandPipeline<QOperand, kStages>;
     using DoPipe = OperandPipeline<DoOperand, kStages>;

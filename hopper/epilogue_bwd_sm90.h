@@ -8,8 +8,9 @@
 //    those rows of V's buffer (only its own group's dP^T GEMMs read them, all finished by
 //    then), one lane stores them, and once the TMA has read them the same follows for dK. No
 //    barrier between the groups: the other group's dQ GEMMs may still read K.
-//  - The wide tile (d = 256, each group half of every row): the groups meet once both are done
-//    with K and V, stage dK in K's buffer and dV in V's, and 8 lanes store 16 rows each.
+//  - The wide tile (d = 160-256, each group a block of every row's columns): the groups meet
+//    once both are done with K and V, stage dK in K's buffer and dV in V's, and 8 lanes store
+//    16 rows each.
 // dK and dV have one head per query head (the binding sums GQA groups) and are the binding's own
 // contiguous tensors with a head dim of a multiple of 8, so every CTA writes rows of its own
 // and every piece is 16-byte aligned.
@@ -41,13 +42,19 @@ struct Sm90BwdEpilogue {
         return make_tensor(make_smem_ptr(buf), typename Traits::SmemLayoutK{});
     }
 
-    // This thread's accumulator, converted, into a K/V buffer in its own swizzled layout
-    // (stmatrix), fenced for the TMA's reads.
-    template <class Acc>
+    // This thread's accumulator of its group's block of columns (KvPart: Traits::KvWhole or
+    // KvPart<g>), converted, into a K/V buffer in that buffer's swizzled layout (stmatrix),
+    // fenced for the TMA's reads. A part's block starts on a whole swizzle atom.
+    template <class KvPart, class Acc>
     static __device__ void stage(Acc const& acc, T* buf, int ctid) {
-        auto store = typename Traits::StoreKv{}.get_thread_slice(ctid);
+        constexpr int kCols = decltype(size<1>(typename KvPart::TileShape{}))::value;
+        using Store =
+            decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, typename KvPart::Mma{}));
+        auto store = Store{}.get_thread_slice(KvPart::mma_thread(ctid));
+        Tensor block = domain_offset(make_coord(_0{}, Int<KvPart::kCol0>{}), staged(buf))
+                           .compose(_, Int<kCols>{});
         Tensor r = convert_fragment<T>(acc);
-        copy(typename Traits::StoreKv{}, store.retile_S(r), store.partition_D(staged(buf)));
+        copy(Store{}, store.retile_S(r), store.partition_D(block));
         cutlass::arch::fence_view_async_shared();
     }
 
@@ -116,52 +123,32 @@ struct Sm90BwdEpilogue {
         }
     }
 
-    template <class Acc>
+    template <class KvPart, class Acc>
     static __device__ void store(Sm90BwdArgs<Traits> const& a, SharedStorage& ss,
                                  SeqInfo const& seq, int bidb, int bidh,
                                  Sm90BwdGeometry const& g, Acc& acc_dk, Acc const& acc_dv) {
         BwdParams const& p = a.p;
         const int ctid = int(threadIdx.x) - kWarpGroupThreads;
-        const int warp = ctid / 32;
-        const bool issuer = ctid % 32 == 0;
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
         if constexpr (Traits::kWide) {
             barrier_sync(BwdBarrier::kEpilogue, Traits::kConsumerThreads);
-            stage(acc_dk, ss.k.data(), ctid);
-            stage(acc_dv, ss.v.data(), ctid);
-            barrier_sync(BwdBarrier::kEpilogue, Traits::kConsumerThreads);
-            if (!p.is_varlen() || g.keys == Traits::kBlockN) {
-                // Warp w's lane 0 stores rows [16 (w % 4), +16) of dK (w < 4) or dV.
-                static_assert(Traits::kConsumerThreads / 32 * Traits::kOutRows ==
-                              2 * Traits::kBlockN);
-                constexpr int kRowWarps = Traits::kBlockN / Traits::kOutRows;
-                const int row0 = warp % kRowWarps * Traits::kOutRows;
-                if (issuer) {
-                    if (warp < kRowWarps) {
-                        issue_rows(a, a.tma_dk, ss.k.data(), row0, seq, bidb, bidh, g);
-                    } else {
-                        issue_rows(a, a.tma_dv, ss.v.data(), row0, seq, bidb, bidh, g);
-                    }
-                    bulk_wait_read<0>();  // the buffers must outlive the TMA's reads
-                }
-            } else {
-                write_staged(ss.k.data(), ctid, p.dk, p.dk_stride, p, seq, bidh, g);
-                write_staged(ss.v.data(), ctid, p.dv, p.dv_stride, p, seq, bidh, g);
-            }
+            stage<KvPart>(acc_dk, ss.k.data(), ctid);
+            stage<KvPart>(acc_dv, ss.v.data(), ctid);
         } else {
             // Warp w's rows, [16 w, +16), of dV then dK, through those rows of V's buffer. A
             // batched tile's rows past seqlen_k lie outside the TMA's tensor.
-            const int row0 = warp * Traits::kOutRows;
+            const int row0 = ctid / 32 * Traits::kOutRows;
+            const bool issuer = ctid % 32 == 0;
             if (!p.is_varlen() || row0 + Traits::kOutRows <= g.keys) {
-                stage(acc_dv, ss.v.data(), ctid);
+                stage<KvPart>(acc_dv, ss.v.data(), ctid);
                 __syncwarp();
                 if (issuer) {
                     issue_rows(a, a.tma_dv, ss.v.data(), row0, seq, bidb, bidh, g);
                     bulk_wait_read<0>();
                 }
                 __syncwarp();
-                stage(acc_dk, ss.v.data(), ctid);
+                stage<KvPart>(acc_dk, ss.v.data(), ctid);
                 __syncwarp();
                 if (issuer) {
                     issue_rows(a, a.tma_dk, ss.v.data(), row0, seq, bidb, bidh, g);
@@ -174,6 +161,34 @@ struct Sm90BwdEpilogue {
                 write_fragment(acc_dk, c, p.dk, p.dk_stride, p, seq, bidh, g);
                 write_fragment(acc_dv, c, p.dv, p.dv_stride, p, seq, bidh, g);
             }
+        }
+    }
+
+    // The wide tile's staged dK and dV to global memory, by every consumer thread once its group
+    // has staged its block (store): one code for both groups' parts.
+    static __device__ void store_wide(Sm90BwdArgs<Traits> const& a, SharedStorage& ss,
+                                      SeqInfo const& seq, int bidb, int bidh,
+                                      Sm90BwdGeometry const& g) {
+        BwdParams const& p = a.p;
+        const int ctid = int(threadIdx.x) - kWarpGroupThreads;
+        const int warp = ctid / 32;
+        barrier_sync(BwdBarrier::kEpilogue, Traits::kConsumerThreads);
+        if (!p.is_varlen() || g.keys == Traits::kBlockN) {
+            // Warp w's lane 0 stores rows [16 (w % 4), +16) of dK (w < 4) or dV.
+            static_assert(Traits::kConsumerThreads / 32 * Traits::kOutRows == 2 * Traits::kBlockN);
+            constexpr int kRowWarps = Traits::kBlockN / Traits::kOutRows;
+            const int row0 = warp % kRowWarps * Traits::kOutRows;
+            if (ctid % 32 == 0) {
+                if (warp < kRowWarps) {
+                    issue_rows(a, a.tma_dk, ss.k.data(), row0, seq, bidb, bidh, g);
+                } else {
+                    issue_rows(a, a.tma_dv, ss.v.data(), row0, seq, bidb, bidh, g);
+                }
+                bulk_wait_read<0>();  // the buffers must outlive the TMA's reads
+            }
+        } else {
+            write_staged(ss.k.data(), ctid, p.dk, p.dk_stride, p, seq, bidh, g);
+            write_staged(ss.v.data(), ctid, p.dv, p.dv_stride, p, seq, bidh, g);
         }
     }
 };

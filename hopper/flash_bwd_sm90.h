@@ -180,11 +180,35 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     }
 }
 
+// A consumer warp group of the main kernel: its query loop, then its dK and dV out. KvPart:
+// its dV and dK GEMMs (Traits::KvWhole, or the wide tile's KvPart<g> where the groups' column
+// blocks differ), which set its accumulators' shape. A function rather than a lambda: a lambda
+// capturing the kernel's locals changed the d = 256 kernel's code.
+template <class Traits, class KvPart>
+__forceinline__ __device__ void bwd_sm90_consumer(Sm90BwdArgs<Traits> const& a,
+                                                  typename Traits::SharedStorage& ss,
+                                                  typename Traits::QPipe& q_pipe,
+                                                  typename Traits::DoPipe& do_pipe,
+                                                  SeqInfo const& seq, int bidb, int bidh,
+                                                  Sm90BwdGeometry const& g) {
+    typename KvPart::Mma mma_kv;
+    Tensor acc_dk = partition_fragment_C(mma_kv, typename KvPart::TileShape{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, typename KvPart::TileShape{});
+    clear(acc_dk);
+    clear(acc_dv);
+    if (g.has_queries()) {
+        typename Traits::PipeState q_state, do_state;
+        Sm90BwdMainloop<Traits>::template compute<KvPart>(a, ss, q_pipe, do_pipe, q_state,
+                                                          do_state, seq, bidb, bidh, g, acc_dk,
+                                                          acc_dv);
+    }
+    Sm90BwdEpilogue<Traits>::template store<KvPart>(a, ss, seq, bidb, bidh, g, acc_dk, acc_dv);
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs<Traits> a) {
     using Mainloop = Sm90BwdMainloop<Traits>;
-    using Epilogue = Sm90BwdEpilogue<Traits>;
     using QPipe = typename Traits::QPipe;
     using DoPipe = typename Traits::DoPipe;
     BwdParams const& p = a.p;
@@ -226,17 +250,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-        typename Traits::MmaKV mma_kv;
-        Tensor acc_dk = partition_fragment_C(mma_kv, Shape<typename Traits::BN, typename Traits::D>{});
-        Tensor acc_dv = partition_fragment_C(mma_kv, Shape<typename Traits::BN, typename Traits::D>{});
-        clear(acc_dk);
-        clear(acc_dv);
-        if (g.has_queries()) {
-            typename Traits::PipeState q_state, do_state;
-            Mainloop::compute(a, ss, q_pipe, do_pipe, q_state, do_state, seq, bidb, bidh, g,
-                              acc_dk, acc_dv);
+        if constexpr (!Traits::kKvParts) {
+            bwd_sm90_consumer<Traits, typename Traits::KvWhole>(a, ss, q_pipe, do_pipe, seq, bidb,
+                                                                bidh, g);
+        } else if (consumer_group() == 0) {
+            bwd_sm90_consumer<Traits, typename Traits::template KvPart<0>>(a, ss, q_pipe, do_pipe,
+                                                                           seq, bidb, bidh, g);
+        } else {
+            bwd_sm90_consumer<Traits, typename Traits::template KvPart<1>>(a, ss, q_pipe, do_pipe,
+                                                                           seq, bidb, bidh, g);
         }
-        Epilogue::store(a, ss, seq, bidb, bidh, g, acc_dk, acc_dv);
+        if constexpr (Traits::kWide) Sm90BwdEpilogue<Traits>::store_wide(a, ss, seq, bidb, bidh, g);
     }
 }
 

@@ -217,10 +217,11 @@ struct Sm90BwdMainloop {
     // ---------------------------------------------------------------- consumer ----
 
     // Runs the tile's query loop for this consumer warp group: acc_dk, acc_dv get the group's 64
-    // key rows of dK (not yet scaled by softmax_scale) and dV (the wide tile: its half of d's
-    // columns of all the tile's rows); each query tile's dQ goes to the shared buffer that the
-    // dQ warp reduces into the accumulator.
-    template <class AccKV>
+    // key rows of dK (not yet scaled by softmax_scale) and dV (the wide tile: its block of d's
+    // columns of all the tile's rows, KvPart's where the blocks differ); each query tile's dQ
+    // goes to the shared buffer that the dQ warp reduces into the accumulator. KvPart:
+    // Traits::KvWhole or KvPart<g>, this group's dV and dK GEMMs.
+    template <class KvPart, class AccKV>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::QPipe& q_pipe,
                                    typename Traits::DoPipe& do_pipe, PipeState& q_state,
@@ -241,15 +242,16 @@ struct Sm90BwdMainloop {
         Tensor sDsT = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDsT{});
 
         typename Traits::MmaSdP mma_sdp;
-        typename Traits::MmaKV mma_kv;
+        typename KvPart::Mma mma_kv;
         auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-        auto thr_kv = mma_kv.get_thread_slice(ctid);
+        auto thr_kv = mma_kv.get_thread_slice(KvPart::mma_thread(ctid));
         Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, 1, d/16)
         Tensor tSrV = thr_sdp.partition_fragment_A(sV);
         Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, 1, d/16, stages)
         Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-        Tensor tKVrQt = thr_kv.partition_fragment_B(sQt);   // (MMA, 1, block_m/16, stages)
-        Tensor tKVrdOt = thr_kv.partition_fragment_B(sdOt);
+        // (MMA, 1, block_m/16, stages), of the group's columns
+        Tensor tKVrQt = thr_kv.partition_fragment_B(KvPart::cols(sQt));
+        Tensor tKVrdOt = thr_kv.partition_fragment_B(KvPart::cols(sdOt));
         // dQ = dS K of a group's block (Traits::DqWhole or DqPart), this thread's operands: dS^T
         // (MMA, 1, block_n/16, buffers) and the block's columns of K (MMA, 1, block_n/16).
         auto dq_ds = [&](auto part) {
@@ -261,13 +263,12 @@ struct Sm90BwdMainloop {
             using Part = decltype(part);
             using Cols = decltype(size<1>(typename Part::TileShape{}));
             auto thr_dq = typename Part::Mma{}.get_thread_slice(Part::mma_thread(ctid));
-            return thr_dq.partition_fragment_B(local_tile(
-                sKt, Shape<Cols, BN>{}, make_coord(Int<Part::kCol0 / Cols::value>{}, _0{})));
+            return thr_dq.partition_fragment_B(smem_cols<Part::kCol0, Cols::value>(sKt));
         };
         // One tiled MMA over both groups (DqWhole) has its operands partitioned once, here, and
         // used in place: a copy (into a tuple, a by-value argument) moves the GMMA descriptors as
         // 64-bit words, which changed the code of d = 64 and 128 (spills at d = 64). Where the
-        // groups' blocks differ (d = 96) dq_step partitions its group's.
+        // groups' blocks differ (d = 96, 160-224) each step partitions its group's.
         using DqWhole = typename Traits::DqWhole;
         auto whole_only = [](auto partition) {
             if constexpr (Traits::kDqPartsAlike) {
@@ -293,12 +294,20 @@ struct Sm90BwdMainloop {
             // Both groups share the 64 key rows. In a step each group computes its half of
             // S^T's and dP^T's query columns and writes its columns of P^T and dS^T to shared
             // memory; after a barrier of both groups it adds all of P^T dO and dS^T Q to its
-            // half of d's columns of dV and dK (acc_dv, acc_dk), then computes its half of dQ's
-            // columns.
+            // block of d's columns of dV and dK (acc_dv, acc_dk), then computes the same block
+            // of dQ's columns.
             const int group = consumer_group();
             Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
-            static_assert(Traits::kDqPartsAlike);
-            typename DqWhole::Mma mma_dq;
+            // dQ of this step, the group's block (Traits::DqWhole or KvPart's DqPart) from dS^T
+            // (ds) and its columns of K (kt).
+            auto dq_tile = [&](auto part, int buffer, auto const& ds, auto const& kt) {
+                using Part = decltype(part);
+                typename Part::Mma mma_dq;
+                Tensor acc_dq = partition_fragment_C(mma_dq, typename Part::TileShape{});
+                wgmma_issue<true>(mma_dq, ds(_, _, _, buffer), kt, acc_dq);
+                warpgroup_wait<0>();
+                store_dq(acc_dq, ss, ctid, group);
+            };
             auto step = [&](int m, auto softcap) {
                 constexpr bool kSoftcap = decltype(softcap)::value;
                 const int m0 = m * kBlockM;
@@ -345,10 +354,12 @@ struct Sm90BwdMainloop {
                 do_pipe.consumer_release(do_state);
                 ++q_state;
                 ++do_state;
-                Tensor acc_dq = partition_fragment_C(mma_dq, typename DqWhole::TileShape{});
-                wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, buffer), tDqrKt, acc_dq);
-                warpgroup_wait<0>();
-                store_dq(acc_dq, ss, ctid, group);
+                if constexpr (Traits::kDqPartsAlike) {
+                    dq_tile(DqWhole{}, buffer, tDqrDs, tDqrKt);
+                } else {
+                    using Dq = typename KvPart::Dq;
+                    dq_tile(Dq{}, buffer, dq_ds(Dq{}), dq_kt(Dq{}));
+                }
             };
 
             ss.kv_full.wait(0);

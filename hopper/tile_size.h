@@ -55,8 +55,8 @@ struct Sm90BwdTile {
     // The mask as a pass of its own before the exp2 loop (outside softcap), rather than a second
     // copy of the loop without the mask's test for the tiles that need none.
     bool mask_pass;
-    // Two consumer groups on one 64-row K/V tile, each holding half of d's columns of dK and dV
-    // (the consumer mainloop's kWide branch), where a group's 64 rows of dK and dV would not fit
+    // Two consumer groups on one 64-row K/V tile, each holding a part of d's columns of dK and
+    // dV (the consumer mainloop's kWide branch), where a group's 64 rows of dK and dV would not fit
     // its registers.
     bool wide = false;
 };
@@ -73,20 +73,23 @@ struct Sm90BwdTile {
 // mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
 // at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
 // bf16, 1k-16k, 2026-11-27).
-// d = 256 (wide): dK and dV of 64 rows take 256 floats per thread of one group, so the two
-// groups split their columns (64 + 64 floats) and S^T's query columns (64 x 32 each); P^T and
-// dS^T go through shared memory to both groups' dV and dK GEMMs. Shared memory: K, V 64 KiB,
-// one Q and one dO stage 64 KiB, P^T and dS^T double-buffered 32 KiB, dQ 64 KiB. It ran at
-// 1.30-1.80x the SM80 backward (H100, bf16, 1k-16k, 2026-11-27).
+// d = 160-256 (wide): dK and dV of 64 rows take d floats each per thread of one group, so the
+// two groups split their columns and S^T's query columns (64 x 32 each); P^T and dS^T go
+// through shared memory to both groups' dV and dK GEMMs. d = 256: halves (64 + 64 floats).
+// d = 160, 192, 224: halves would cut K's and Q's swizzle atoms (32 columns where d % 64 = 32,
+// else 64), where a WGMMA operand must start, so group 0 takes half rounded up to whole atoms
+// (96 + 64, 128 + 64, 128 + 96 columns): never more than d = 256's 128 columns, its registers.
+// Shared memory: K, V, one Q and one dO stage 4 x 64 x d x 2 bytes, P^T and dS^T
+// double-buffered 32 KiB, dQ 64 x d x 4 bytes: 224 KiB of the 227 at d = 256, 201 at 224.
+// d = 256 ran at 1.30-1.80x the SM80 backward (H100, bf16, 1k-16k, 2026-11-27).
 constexpr Sm90BwdTile sm90_bwd_tile(int d) {
     return d <= 64    ? Sm90BwdTile{128, 128, 2, true}
            : d <= 128 ? Sm90BwdTile{64, 128, 2, false}
                       : Sm90BwdTile{64, 64, 1, false, true};
 }
 
-// Head-dim tiers with an SM90 backward; the others run the SM80 backward. Past d = 128 dK and
-// dV no longer fit the registers of a 64-row warp group, and the wide tile's column halves
-// fall on whole swizzle atoms only at d = 256.
-constexpr bool sm90_bwd_supported(int d) { return d <= 128 || d == 256; }
+// Head-dim tiers with an SM90 backward: all of them (32-256); the binding still sends any tier
+// without a registered kernel to the SM80 backward.
+constexpr bool sm90_bwd_supported(int d) { return d <= 256; }
 
 }  // namespace flash

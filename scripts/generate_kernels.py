@@ -37,7 +37,7 @@ FAMILIES = {
 
 # Tiers of each family where it is not every tier: the SM90 backward's (hopper/tile_size.h,
 # sm90_bwd_supported, which each generated file asserts); the rest run the SM80 backward.
-TIERS = {("bwd", 90): (32, 64, 96, 128, 256)}
+TIERS = {("bwd", 90): (32, 64, 96, 128, 160, 192, 224, 256)}
 CHECKS = {("bwd", 90): "static_assert(sm90_bwd_supported({hdim}));\n"}
 
 # Lines before the first include, per arch. SM90: WGMMA tiles whose N is not a multiple of 32
