@@ -141,6 +141,7 @@ struct Sm90BwdMainloop {
         // first (Traits::kMaskPass; -inf stays -inf with ALiBi's bias added), or a copy of
         // the loop with the test. Under softcap the pass cannot work (tanh(-inf) = -1); there
         // with kMaskPass one loop keeps the test, which spills less than two copies.
+        const AlibiDistance<false, CoordRc> distance(cS_rc, bias, m0, n0);
         auto probs = [&](auto masked) {
             CUTE_UNROLL
             for (int c = 0; c < size<1>(s_rc); ++c) {
@@ -153,7 +154,7 @@ struct Sm90BwdMainloop {
                     const float t = kSoftcap ? fast_tanh(s_rc(r, c) * p.softcap_prescale)
                                              : s_rc(r, c);
                     float x = t;
-                    if constexpr (Traits::kAlibi) x += bias(m0 + col, n0 + row);
+                    if constexpr (Traits::kAlibi) x += bias.at(distance(r, c));
                     if (masked && !mask.keep(m0 + col, n0 + row)) x = -INFINITY;
                     const float prob = exp2f(x * p.scale_log2 - lse_c);
                     s_rc(r, c) = prob;

@@ -16,8 +16,11 @@ struct AlibiBias {
     int shift;
 
     __host__ __device__ float operator()(int row, int col) const {
-        return -slope * fabsf(float(row + shift - col));
+        return at(float(row + shift - col));
     }
+
+    // The bias at a distance row + shift - col already in float (AlibiDistance).
+    __host__ __device__ float at(float distance) const { return -slope * fabsf(distance); }
 };
 
 struct BandMask {

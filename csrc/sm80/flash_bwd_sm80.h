@@ -283,6 +283,8 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             if (p.alibi_slopes != nullptr) bias = seq.alibi(p, bidb, bidh);
             if (dropout) dropout_keep_bits(cS_rc, DropoutRng(p, bidb, bidh), row0, col0, kept);
         }
+        [[maybe_unused]] const AlibiDistance<true, decltype(cS_rc)> distance(cS_rc, bias, row0,
+                                                                             col0);
         // P = exp(s - lse); dS = P * (dP - D), times d tanh / d x = 1 - t^2 under softcap (t
         // without ALiBi's bias, a constant of the score). Under dropout (mask Z, kept entries
         // scaled by 1 / (1 - p)): dV takes P * Z, and dP = dO V^T reaches the scores through Z
@@ -293,9 +295,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
             for (int c = 0; c < kCols; ++c) {
                 const float t = s_rc(r, c);
                 float x = t;
-                if constexpr (kExtras) {
-                    x += bias(row0 + get<0>(cS_rc(r, c)), col0 + get<1>(cS_rc(r, c)));
-                }
+                if constexpr (kExtras) x += bias.at(distance(r, c));
                 const float prob = exp2f(x * p.scale_log2 - lse_log2[r]);
                 float z = 1.f;
                 if constexpr (kExtras) {
