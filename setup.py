@@ -193,8 +193,8 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
             for dt in dtypes:
                 p = root / SM90_INST_DIR / f"flash_fwd_hdim{d}_{dt}_sm90.cu"
                 (sm90_sources if p.exists() else sm90_missing).append(p)
-                # The SM90 backward covers some tiers only (the generator writes those); the
-                # others run the SM80 backward.
+                # The SM90 backward's file of the tier, where the generator wrote one (every
+                # tier today); a tier without it runs the SM80 backward.
                 p = root / SM90_INST_DIR / f"flash_bwd_hdim{d}_{dt}_sm90.cu"
                 if backward and p.exists():
                     sm90_sources.append(p)

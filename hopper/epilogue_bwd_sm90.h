@@ -1,9 +1,9 @@
 // Epilogue of the SM90 backward: dK (scaled by softmax_scale, the score's derivative factor
 // left out of the mainloop) and dV of the CTA's key rows, converted to the input dtype, staged
 // in shared memory in K's swizzled layout and stored by TMA. Stores from registers (4-byte
-// pieces, or 16-byte pieces of rows staged in shared memory) kept each CTA ~5 us in its
+// pieces, or 16-byte pieces of rows staged in shared memory) kept each CTA 5-8 us in its
 // epilogue (H100, d = 128, a CTA timeline, 2026-11-27): the SM's stores drained at ~8 bytes per
-// clock, where the TMA reads staged rows at ~64.
+// clock, where the TMA reads staged rows at ~64; TMA stores took it to 1.7-2.3 us.
 //  - One K/V tile per group (block_n = 64 per group): each warp stages its 16 rows of dV in
 //    those rows of V's buffer (only its own group's dP^T GEMMs read them, all finished by
 //    then), one lane stores them, and once the TMA has read them the same follows for dK. No
@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <type_traits>
 
 #include "bwd_traits_sm90.h"
 #include "common/fragment.h"
@@ -82,8 +83,9 @@ struct Sm90BwdEpilogue {
         tma_store_arrive();
     }
 
-    // Partial varlen tiles: a TMA box past the sequence's end would write into the next
-    // sequence's rows, so these go from registers (4-byte pieces) ...
+    // A varlen tile's rows that cross the sequence's end (a warp's 16 at d <= 128): a TMA box
+    // there would write into the next sequence's rows, so they go from registers (4-byte
+    // pieces) ...
     template <class Acc, class Coord>
     static __device__ void write_fragment(Acc const& acc, Coord const& c, void* base,
                                           TensorStrides const& stride, BwdParams const& p,
@@ -138,6 +140,9 @@ struct Sm90BwdEpilogue {
         } else {
             // Warp w's rows, [16 w, +16), of dV then dK, through those rows of V's buffer. A
             // batched tile's rows past seqlen_k lie outside the TMA's tensor.
+            static_assert(std::is_same_v<typename Traits::MmaKV, typename KvPart::Mma> &&
+                              Traits::kOutRows * 4 == kWarpGroupRows,
+                          "a warp's accumulator rows are its 16 of its group's 64 key rows");
             const int row0 = ctid / 32 * Traits::kOutRows;
             const bool issuer = ctid % 32 == 0;
             if (!p.is_varlen() || row0 + Traits::kOutRows <= g.keys) {
@@ -155,7 +160,7 @@ struct Sm90BwdEpilogue {
                     bulk_wait_read<0>();
                 }
             } else {
-                typename Traits::MmaKV mma_kv;
+                typename KvPart::Mma mma_kv;
                 Tensor c = mma_kv.get_thread_slice(ctid).partition_C(
                     make_identity_tensor(Shape<BN, D>{}));
                 write_fragment(acc_dk, c, p.dk, p.dk_stride, p, seq, bidh, g);
@@ -164,8 +169,10 @@ struct Sm90BwdEpilogue {
         }
     }
 
-    // The wide tile's staged dK and dV to global memory, by every consumer thread once its group
-    // has staged its block (store): one code for both groups' parts.
+    // The wide tile's staged dK and dV to global memory, by every consumer thread after its
+    // group's `store`; the barrier waits for both groups' blocks. One code for both groups'
+    // parts, outside the per-group consumer body (two copies of it kept NVVM from inlining the
+    // d = 224 consumer step).
     static __device__ void store_wide(Sm90BwdArgs<Traits> const& a, SharedStorage& ss,
                                       SeqInfo const& seq, int bidb, int bidh,
                                       Sm90BwdGeometry const& g) {

@@ -1,9 +1,11 @@
 // Mainloop of the SM90 backward for one block_n-row K/V tile of one (batch, head).
 //   Producer (one warp): K and V once, by TMA; then for every query tile that sees the keys, Q
 //   with its log2 LSE and dO with its rowsum(dO * O), each into its own pipeline of stages.
-//   Consumers (a warp group per 64 key rows): S^T = K Q^T and dP^T = V dO^T, the score policy
-//   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q from registers, and
-//   dQ = dS K with dS from shared memory; each tile's dQ goes back to shared memory.
+//   Consumers (a warp group per 64 key rows; on the wide tile, d = 160-256, each group a block
+//   of d's columns of the same 64 rows): S^T = K Q^T and dP^T = V dO^T, the score policy
+//   (softcap, ALiBi, mask), P^T and dS^T, dV += P^T dO and dK += dS^T Q (from registers; on the
+//   wide tile from shared memory), and dQ = dS K with dS from shared memory; each tile's dQ
+//   goes back to shared memory.
 //   dQ warp: adds each group's block of a tile's dQ to the fp32 accumulator with a bulk
 //   reduction.
 #pragma once

@@ -73,9 +73,9 @@ struct Sm90BwdTile {
 // mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
 // at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
 // bf16, 1k-16k, 2026-11-27).
-// d = 160-256 (wide): dK and dV of 64 rows take d floats each per thread of one group, so the
-// two groups split their columns and S^T's query columns (64 x 32 each); P^T and dS^T go
-// through shared memory to both groups' dV and dK GEMMs. d = 256: halves (64 + 64 floats).
+// d = 160-256 (wide): dK and dV of 64 rows would take d / 2 floats each per thread of one group, d
+// together, so the two groups split their columns and S^T's query columns (64 x 32 each); P^T and
+// dS^T go through shared memory to both groups' dV and dK GEMMs. d = 256: halves (64 + 64 floats).
 // d = 160, 192, 224: halves would cut K's and Q's swizzle atoms (32 columns where d % 64 = 32,
 // else 64), where a WGMMA operand must start, so group 0 takes half rounded up to whole atoms
 // (96 + 64, 128 + 64, 128 + 96 columns): never more than d = 256's 128 columns, its registers.

@@ -35,8 +35,9 @@ FAMILIES = {
     ("bwd", 90): (ROOT / "hopper" / "instantiations", "hopper/flash_bwd_sm90.h", "run_bwd_sm90", "RegisterBwd"),
 }
 
-# Tiers of each family where it is not every tier: the SM90 backward's (hopper/tile_size.h,
-# sm90_bwd_supported, which each generated file asserts); the rest run the SM80 backward.
+# Tiers of each family where it need not be every tier: the SM90 backward's (hopper/tile_size.h,
+# sm90_bwd_supported, which each generated file asserts). Every tier since 2026-11-27; a tier
+# left out here would run the SM80 backward.
 TIERS = {("bwd", 90): (32, 64, 96, 128, 160, 192, 224, 256)}
 CHECKS = {("bwd", 90): "static_assert(sm90_bwd_supported({hdim}));\n"}
 

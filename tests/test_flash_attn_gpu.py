@@ -8,7 +8,7 @@ NaN before every test: anything a kernel forgets to write reads back as NaN and 
 
 Every test runs on each kernel path of the GPU (``sm90`` and ``sm80`` on an H100; the id says
 which; FLASH_ATTN_TEST_PATHS=sm90 narrows it): the SM90 path runs the Hopper kernels (the SM80
-backward for head dims the Hopper backward does not cover), the other forces the SM80 kernels.
+backward where dropout is on), the other forces the SM80 kernels.
 
 Sizes are chosen for a whole-suite run of a few minutes on one H100.
 """
@@ -391,6 +391,8 @@ def _gqa_cases():
         cases.append((ratio, Case("bf16", d, sq, sk, causal)))
     for ratio, causal in itertools.product((2, 8), (False, True)):
         cases.append((ratio, Case("bf16", 256, 1000, 1000, causal)))
+    for ratio, d in itertools.product((2, 4), (160, 224)):
+        cases.append((ratio, Case("bf16", d, 203, 113, True)))
     for ratio, (sq, sk) in itertools.product((4,), ((113, 203), (1000, 1000))):
         cases.append((ratio, Case("fp16", 96, sq, sk, window=(64, 32))))
     cases.append((8, Case("bf16", 128, 1, 239, softcap=30.0, scale=1.0)))
@@ -567,9 +569,11 @@ def _deterministic_cases():
     cases += [Case("bf16", 128, 203, 1000, window=(64, 32)), Case("fp16", 32, 1000, 113, True),
               Case("bf16", 64, 1000, 1000, softcap=30.0, scale=1.0),
               # Many key tiles per query tile, queries fewer than keys (causal aligned
-              # bottom-right), a window over many tiles, and tiers the SM80 backward runs.
+              # bottom-right), a window over many tiles, unequal dQ parts (d = 96) and the wide
+              # tile with halves (256) and unequal parts (192).
               Case("bf16", 128, 1500, 4099, True), Case("bf16", 64, 3000, 3000, window=(700, 0)),
-              Case("bf16", 96, 1000, 1000, True), Case("bf16", 256, 777, 1500, True)]
+              Case("bf16", 96, 1000, 1000, True), Case("bf16", 256, 777, 1500, True),
+              Case("bf16", 192, 777, 1500, True)]
     return cases
 
 
@@ -666,7 +670,7 @@ def alibi_slopes(b: int, h: int, per_batch: bool) -> torch.Tensor:
 def _alibi_cases():
     cases = []
     for dtype, d, (sq, sk), (causal, w, cap) in itertools.product(
-        ("bf16", "fp16"), (64, 128, 256), ((113, 203), (203, 113), (1, 239), (512, 512)),
+        ("bf16", "fp16"), (64, 128, 160, 256), ((113, 203), (203, 113), (1, 239), (512, 512)),
         ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (64, 32), 0.0),
          (True, (-1, -1), 30.0), (False, (-1, -1), 2.0)),
     ):

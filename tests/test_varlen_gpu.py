@@ -85,6 +85,11 @@ def _varlen_cases():
         cases.append(("bf16", lens, 64, 2, causal, window, 0.0, None))
     for lens, causal in itertools.product(("mixed", "many"), (False, True)):
         cases.append(("bf16", lens, 128, 1, causal, (-1, -1), 30.0, 1.0))
+    # The wide tile's unequal column parts (d = 160, 224; 200 is clipped inside the 224 tier),
+    # whose partial varlen tiles go out in 16-byte pieces, and GQA on it.
+    for lens, d, causal in itertools.product(("mixed", "long"), (160, 200), (False, True)):
+        cases.append(("bf16", lens, d, 1, causal, (-1, -1), 0.0, None))
+    cases.append(("fp16", "mixed", 224, 4, True, (-1, -1), 0.0, None))
     out = []
     for dt, lens, d, ratio, causal, window, cap, scale in cases:
         tag = [dt, lens, f"d{d}", f"g{ratio}"]

@@ -1,5 +1,5 @@
 // Mask policy shared by the SM80 and SM90 kernels: the bottom-right aligned causal/window band
-// plus the key-length bound; and ALiBi's bias (SM80 kernels). Works in sequence coordinates;
+// plus the key-length bound; and ALiBi's bias (all four kernels). Works in sequence coordinates;
 // the kernels map tile coordinates in.
 #pragma once
 
@@ -15,11 +15,7 @@ struct AlibiBias {
     float slope;
     int shift;
 
-    __host__ __device__ float operator()(int row, int col) const {
-        return at(float(row + shift - col));
-    }
-
-    // The bias at a distance row + shift - col already in float (AlibiDistance).
+    // The bias at the distance row + shift - col, in float (AlibiDistance).
     __host__ __device__ float at(float distance) const { return -slope * fabsf(distance); }
 };
 

@@ -29,11 +29,11 @@ __forceinline__ __device__ void apply_softcap(Tensor& s, float prescale) {
 
 // ALiBi's distance query + shift - key at each score of a thread's fragment, in float: one
 // int-to-float conversion for the fragment's first coordinates, then the compile-time offsets of
-// the others (an immediate add each), instead of a conversion per score: conversions run at 16
-// per clock and SM, an eighth of the float add's rate, and the forward's ALiBi kernel had about
-// a hundred of them per key block (H100, d = 64/128 bf16: forward 0.99-1.02x, backward
-// 0.98-1.03x, 2026-11-27). Exact while |distance| < 2^24. `coord` is a (rows, cols)
-// identity view as for apply_mask below; kQueryRows: its rows are queries (the forward's S),
+// the others (an immediate add each), instead of a conversion per score: conversions run at 16 per
+// clock and SM, an eighth of the float add's rate, and the forward's ALiBi kernel had about a
+// hundred of them per key block (H100, d = 64/128 bf16: forward 0.99-1.02x, backward 0.98-1.03x,
+// 2026-11-27). Exact while |distance| < 2^24. `coord` is a (rows, cols) identity view as for
+// apply_mask below; kQueryRows: its rows are queries (the forwards' and the SM80 backward's S),
 // else keys (the SM90 backward's S^T). q0 and k0 shift its coordinates to sequence positions.
 template <bool kQueryRows, class Coord>
 struct AlibiDistance {
