@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call (about 5 minutes; carry .cutlass): the SM90 backward's fixed cost per CTA,
 # A/B at d=64/128 bf16 of main against bwd_k_before_v.patch (kfirst), bwd_dk_in_free_stage.patch
-# (dkq) and both, and the backward tests of `both`.
+# (dkq) and both, and the backward tests of `both`. The sum compiles at d=128 (nvcc 13.0) with
+# main's spills.
 #   bash benchmarks/patches/run_bwd_prologue_epilogue_ab.sh
 set -uo pipefail
 dir=benchmarks/patches
