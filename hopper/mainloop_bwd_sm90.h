@@ -293,24 +293,25 @@ struct Sm90BwdMainloop {
         AlibiBias bias{};
         if constexpr (Traits::kAlibi) bias = seq.alibi(p, bidb, bidh);
 
+        const int group = consumer_group();
+        // dQ of a query tile, the group's block (Traits::DqWhole or DqPart) from dS^T buffer
+        // `buffer` (ds) and the block's columns of K (kt), to shared memory for the dQ warp.
+        auto dq_tile = [&](auto part, int buffer, auto const& ds, auto const& kt) {
+            using Part = decltype(part);
+            typename Part::Mma mma_dq;
+            Tensor acc_dq = partition_fragment_C(mma_dq, typename Part::TileShape{});
+            wgmma_issue<true>(mma_dq, ds(_, _, _, buffer), kt, acc_dq);
+            warpgroup_wait<0>();
+            store_dq(acc_dq, ss, ctid, group);
+        };
+
         if constexpr (Traits::kWide) {
             // Both groups share the 64 key rows. In a step each group computes its half of
             // S^T's and dP^T's query columns and writes its columns of P^T and dS^T to shared
             // memory; after a barrier of both groups it adds all of P^T dO and dS^T Q to its
             // block of d's columns of dV and dK (acc_dv, acc_dk), then computes the same block
             // of dQ's columns.
-            const int group = consumer_group();
             Tensor tKVsPds = thr_kv.partition_fragment_A(sDs);  // (MMA, 1, block_m/16, slots)
-            // dQ of this step, the group's block (Traits::DqWhole or KvPart's DqPart) from dS^T
-            // (ds) and its columns of K (kt).
-            auto dq_tile = [&](auto part, int buffer, auto const& ds, auto const& kt) {
-                using Part = decltype(part);
-                typename Part::Mma mma_dq;
-                Tensor acc_dq = partition_fragment_C(mma_dq, typename Part::TileShape{});
-                wgmma_issue<true>(mma_dq, ds(_, _, _, buffer), kt, acc_dq);
-                warpgroup_wait<0>();
-                store_dq(acc_dq, ss, ctid, group);
-            };
             auto step = [&](int m, auto softcap) {
                 constexpr bool kSoftcap = decltype(softcap)::value;
                 const int m0 = m * kBlockM;
@@ -372,23 +373,16 @@ struct Sm90BwdMainloop {
                 for (int m = g.m_first; m < g.m_last; ++m) step(m, cute::false_type{});
             }
         } else {
-            const int group = consumer_group();
             // A group's barrier with the other.
             constexpr int kPairThreads = Traits::kConsumerThreads;
             auto ds_buffer = [&](int m) { return (m - g.m_first) % Traits::kDsBuffers; };
 
-            // dQ of query tile m = dS K, this group's block (Traits::DqWhole or DqPart) from both
-            // groups' rows of dS^T(m) (the other group's once it has signalled them), to shared
-            // memory for the dQ warp. Its wait for every GEMM issued also completes the calling
-            // step's dV and dK.
+            // dQ of query tile m from both groups' rows of dS^T(m), the other group's once it has
+            // signalled them. Its wait for every GEMM issued also completes the calling step's
+            // dV and dK.
             auto dq_block = [&](int m, auto part, auto const& tDqrDs, auto const& tDqrKt) {
-                using Part = decltype(part);
-                typename Part::Mma mma_dq;
                 barrier_sync(ds_full(1 - group, ds_buffer(m)), kPairThreads);
-                Tensor acc_dq = partition_fragment_C(mma_dq, typename Part::TileShape{});
-                wgmma_issue<true>(mma_dq, tDqrDs(_, _, _, ds_buffer(m)), tDqrKt, acc_dq);
-                warpgroup_wait<0>();
-                store_dq(acc_dq, ss, ctid, group);
+                dq_tile(part, ds_buffer(m), tDqrDs, tDqrKt);
             };
             auto dq_step = [&](int m) {
                 if constexpr (Traits::kDqPartsAlike) {
