@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent
 PKG_NAME = "flash_attn"
 EXT_NAME = "flash_attn._C"
 
-ALL_DTYPES = ("fp16", "bf16")
+# e4m3: the SM90 forward of float8_e4m3fn inputs (no SM80 kernels, no backward).
+ALL_DTYPES = ("fp16", "bf16", "e4m3")
 DEFAULT_ARCHS = "80;90"
 SM90_ARCH = 90
 
@@ -116,7 +117,8 @@ def parse_dtypes(value: str | None) -> list[str]:
     if value is None or not value.strip() or value.strip().lower() == "all":
         return list(ALL_DTYPES)
     aliases = {"fp16": "fp16", "float16": "fp16", "half": "fp16",
-               "bf16": "bf16", "bfloat16": "bf16"}
+               "bf16": "bf16", "bfloat16": "bf16",
+               "e4m3": "e4m3", "fp8": "e4m3", "float8_e4m3fn": "e4m3"}
     out = set()
     for tok in _split_list(value):
         if tok.lower() not in aliases:
@@ -184,7 +186,7 @@ def compute_build_config(env=None, root: Path = ROOT) -> dict:
     missing = []
     for direction in directions:
         for d in headdims:
-            for dt in dtypes:
+            for dt in [t for t in dtypes if t != "e4m3"]:  # no SM80 e4m3 kernels
                 p = root / SM80_INST_DIR / f"flash_{direction}_hdim{d}_{dt}_sm80.cu"
                 (sm80_sources if p.exists() else missing).append(p)
     sm90_sources, sm90_missing = [], []

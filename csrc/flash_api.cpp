@@ -125,14 +125,17 @@ T* ptr(const Tensor& t) {
     return static_cast<T*>(t.data_ptr());
 }
 
-Dtype dtype_of(const Tensor& t) {
+// `e4m3`: float8_e4m3fn is an input of this op (the forward's).
+Dtype dtype_of(const Tensor& t, bool e4m3 = false) {
     if (t.scalar_type() == ScalarType::Half) return Dtype::kFp16;
     if (t.scalar_type() == ScalarType::BFloat16) return Dtype::kBf16;
-    throw std::runtime_error(
-        str_of("flash_attn: expected float16 or bfloat16 tensors, got ", t.scalar_type()));
+    if (e4m3 && t.scalar_type() == ScalarType::Float8_e4m3fn) return Dtype::kE4m3;
+    throw std::runtime_error(str_of("flash_attn: expected float16 or bfloat16",
+                                    e4m3 ? " (or float8_e4m3fn)" : "", " tensors, got ",
+                                    t.scalar_type()));
 }
 
-const char* dtype_name(Dtype d) { return d == Dtype::kFp16 ? "fp16" : "bf16"; }
+using flash::dtype_name;
 
 // A valid request this build cannot serve. The stable ABI carries no Python exception type, so
 // this is a RuntimeError; flash_attn.ops.require_kernel raises the NotImplementedError first for
@@ -247,13 +250,14 @@ const flash::KernelEntry& find_kernel(Kind kind, Dtype dtype, int headdim, bool 
 }
 
 // Kernels read rows with 16-byte accesses: the last dim must be contiguous, every other stride a
-// multiple of 8 elements and the base 16-byte aligned.
+// multiple of 16 bytes and the base 16-byte aligned.
 // Strides must also be positive where the extent is above 1: an expanded (stride 0) K or V is
 // copied, since TMA descriptors take no zero or negative strides.
 bool is_kernel_ready(const Tensor& t) {
     bool ok = stride_at(t, -1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
     for (int i = 0; i + 1 < t.dim(); ++i) {
-        ok = ok && (t.size(i) == 1 || (t.stride(i) > 0 && t.stride(i) % 8 == 0));
+        ok = ok && (t.size(i) == 1 ||
+                    (t.stride(i) > 0 && t.stride(i) * int64_t(t.element_size()) % 16 == 0));
     }
     return ok;
 }
@@ -328,7 +332,7 @@ Problem describe(const Tensor& q, const Tensor& k, const Tensor& v,
                  const std::optional<Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                  int64_t max_seqlen_k, const std::optional<Tensor>& kv_batch_idx = {},
                  const std::optional<Tensor>& block_table = {}) {
-    dtype_of(q);
+    dtype_of(q, /*e4m3=*/true);
     FA_CHECK(q.is_cuda(), "flash_attn: q must be a CUDA tensor");
     check_cuda_tensor(k, "k", q);
     check_cuda_tensor(v, "v", q);
@@ -610,6 +614,42 @@ void assert_no_overlap(const Tensor& a, const Tensor& b) {
              "operation.");
 }
 
+// An e4m3 forward's extra arguments and what it does not support (the Python layer raises the
+// same NotImplementedError first); any other call must pass no descale.
+void check_e4m3(bool e4m3, const Tensor& q, const Problem& pb,
+                std::initializer_list<std::optional<Tensor>> descales,
+                const std::optional<Tensor>& block_table,
+                const std::optional<Tensor>& alibi_slopes,
+                const std::optional<Tensor>& leftpad_k, double dropout_p) {
+    for (const auto& d : descales) {
+        if (!d.has_value()) continue;
+        FA_CHECK(e4m3, "flash_attn: q_descale, k_descale and v_descale are for float8_e4m3fn "
+                       "inputs; q is ", q.scalar_type());
+        FA_CHECK(d->scalar_type() == ScalarType::Float && d->dim() == 2 &&
+                     d->size(0) == pb.batch && d->size(1) == pb.nheads_k && d->is_contiguous() &&
+                     d->device() == q.device(),
+                 "flash_attn: a descale must be a contiguous float32 tensor of shape (batch, "
+                 "nheads_k) = (", pb.batch, ", ", pb.nheads_k, ") on q's device");
+    }
+    if (!e4m3) return;
+    FA_CHECK(pb.headdim % 16 == 0, "flash_attn: float8_e4m3fn inputs need a head dim that is a "
+                                   "multiple of 16 (rows of whole 16-byte pieces), got ",
+             pb.headdim);
+    if (block_table.has_value() || alibi_slopes.has_value() || leftpad_k.has_value() ||
+        dropout_p > 0.0) {
+        raise_not_implemented("flash_attn: float8_e4m3fn inputs run the SM90 forward without ",
+                              block_table.has_value() ? "a paged KV cache (block_table)"
+                              : alibi_slopes.has_value() ? "ALiBi"
+                              : leftpad_k.has_value() ? "leftpad_k"
+                                                      : "dropout");
+    }
+    const cudaDeviceProp* props = &current_device_properties();
+    if (props->major != 9 || props->minor != 0) {
+        raise_not_implemented("flash_attn: float8_e4m3fn inputs need the SM90 kernels (compute "
+                              "capability 9.0); this GPU is ", props->major, ".", props->minor);
+    }
+}
+
 // The preallocated `out` of the pybind11 binding is gone: the Python layer never passed one.
 std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                const std::optional<Tensor>& cu_seqlens_q,
@@ -622,10 +662,16 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
                                const std::optional<Tensor>& leftpad_k,
                                const std::optional<Tensor>& alibi_slopes,
                                const std::optional<Tensor>& sink, double dropout_p,
-                               const std::optional<Tensor>& rng_state, int64_t sm_margin) {
+                               const std::optional<Tensor>& rng_state, int64_t sm_margin,
+                               const std::optional<Tensor>& q_descale,
+                               const std::optional<Tensor>& k_descale,
+                               const std::optional<Tensor>& v_descale) {
     FA_CHECK(sm_margin >= 0, "flash_attn: sm_margin must be >= 0, got ", sm_margin);
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
+    const bool e4m3 = dtype_of(q_in, true) == Dtype::kE4m3;
+    check_e4m3(e4m3, q_in, pb, {q_descale, k_descale, v_descale}, block_table, alibi_slopes,
+               leftpad_k, dropout_p);
     if (sink.has_value()) {
         FA_CHECK(sink->scalar_type() == ScalarType::Float && sink->dim() == 1 &&
                      sink->size(0) == pb.nheads && sink->is_contiguous() &&
@@ -653,7 +699,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
     check_grid(pb);
 
-    Tensor out = empty_on(q, q.sizes());
+    Tensor out = e4m3 ? empty_on(q, q.sizes(), ScalarType::BFloat16) : empty_on(q, q.sizes());
     const std::vector<int64_t> lse_shape =
         pb.varlen ? std::vector<int64_t>{pb.nheads, pb.total_q}
                   : std::vector<int64_t>{pb.batch, pb.nheads, pb.seqlen_q};
@@ -679,6 +725,9 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     set_dropout(p, dropout_p, rng_state, q);
     p.sm_margin = int(std::min<int64_t>(sm_margin, 1 << 20));
     if (sink.has_value()) p.sink = ptr<float>(*sink);
+    if (q_descale.has_value()) p.q_descale = ptr<float>(*q_descale);
+    if (k_descale.has_value()) p.k_descale = ptr<float>(*k_descale);
+    if (v_descale.has_value()) p.v_descale = ptr<float>(*v_descale);
     if (block_table.has_value()) {
         p.block_table = ptr<int>(*block_table);
         p.block_table_stride = block_table->stride(0);
@@ -1024,7 +1073,7 @@ std::tuple<Tensor, Tensor> fwd_plain(const Tensor& q, const Tensor& k, const Ten
     return fwd(q, k, v, std::nullopt, std::nullopt, std::nullopt, integer(0), integer(1),
                nums[2], nums[3] != 0.0, integer(4), integer(5), nums[6], std::nullopt,
                std::nullopt, std::nullopt, std::nullopt, std::nullopt, 0.0, std::nullopt,
-               integer(7));
+               integer(7), std::nullopt, std::nullopt, std::nullopt);
 }
 
 std::tuple<Tensor, Tensor, Tensor> bwd_plain(const Tensor& dout, const Tensor& q,
@@ -1047,7 +1096,8 @@ FLASH_ATTN_LIBRARY(FLASH_ATTN_OP_NAMESPACE, m) {
         "bool causal, int window_left, int window_right, float softcap, "
         "Tensor? kv_batch_idx=None, Tensor? block_table=None, Tensor? leftpad_k=None, "
         "Tensor? alibi_slopes=None, Tensor? sink=None, float dropout_p=0.0, "
-        "Tensor? rng_state=None, int sm_margin=0) -> (Tensor, Tensor)");
+        "Tensor? rng_state=None, int sm_margin=0, Tensor? q_descale=None, "
+        "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)");
     m.def(
         "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "

@@ -27,7 +27,7 @@ pybind11::dict build_info() {
         pybind11::dict k;
         k["kind"] = e.kind == flash::Kind::kFwd ? "fwd" : "bwd";
         k["arch"] = e.arch;
-        k["dtype"] = e.dtype == flash::Dtype::kFp16 ? "fp16" : "bf16";
+        k["dtype"] = flash::dtype_name(e.dtype);
         k["headdim"] = e.headdim;
         kernels.append(k);
         if (std::find(archs.begin(), archs.end(), e.arch) == archs.end()) archs.push_back(e.arch);

@@ -50,7 +50,7 @@ __forceinline__ __device__ void quad_transpose(uint32_t* v, int lane) {
 
 template <class Traits>
 struct Sm90FwdEpilogue {
-    using T = typename Traits::Element;
+    using T = typename Traits::OutElement;  // the output's type (bf16 for e4m3 inputs)
     using BM = typename Traits::BM;
     using D = typename Traits::D;
 

@@ -25,6 +25,19 @@
 
 namespace flash {
 
+// The pipeline of the stages the consumers' PV GEMMs read: V's own (a reference to v_pipe), or
+// for e4m3 the transposed stages' (constructed here, so thread 0 initialises its barriers).
+template <class Traits>
+__device__ decltype(auto) values_pipe(typename Traits::SharedStorage& ss,
+                                      typename Traits::VPipe& v_pipe) {
+    if constexpr (Traits::kFp8) {
+        return typename Traits::VtPipe(ss.vt_pipe, Traits::kTransposeWarps,
+                                       Traits::kConsumerThreads / 32);
+    } else {
+        return (v_pipe);
+    }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs<Traits> a) {
@@ -39,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const bool is_producer = int(threadIdx.x / 128) == int(WarpGroupRole::kProducer);
 
     if (threadIdx.x == 0) {
-        ss.tiles.init(Traits::kConsumerThreads / 32);
+        ss.tiles.init(Traits::kConsumerThreads / 32 + Traits::kTransposeWarps);
         ss.keys_read.init(Traits::kConsumerThreads / 32);
         ss.values_read.init(Traits::kConsumerThreads / 32);
     }
@@ -50,7 +63,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     KPipe k_pipe(ss.k_pipe, pipeline_params<KPipe>(is_producer, Traits::kKVBytes),
                  Traits::kConsumerThreads / 32);
     VPipe v_pipe(ss.v_pipe, pipeline_params<VPipe>(is_producer, Traits::kKVBytes),
-                 Traits::kConsumerThreads / 32);
+                 Traits::kValueReaderWarps);
+    auto&& values = values_pipe<Traits>(ss, v_pipe);
     cutlass::arch::fence_barrier_init();
     if constexpr (Traits::kClusterM > 1) {
         // The other CTAs' multicasts and releases reach our barriers: they must be initialised.
@@ -63,7 +77,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const typename Traits::Scheduler sched{a.sched};
     if (is_producer) {
         cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-        if (threadIdx.x / 32 != 0) return;  // one warp issues every load
+        const int warp = int(threadIdx.x / 32);
+        if constexpr (Traits::kFp8) {
+            if (warp != 0) {
+                Mainloop::transpose_values(a, ss, v_pipe, values, sched, warp - 1);
+                return;
+            }
+        }
+        if (warp != 0) return;  // one warp issues every load
         auto q_state = cutlass::make_producer_start_state<QPipe>();
         auto k_state = cutlass::make_producer_start_state<KPipe>();
         auto v_state = cutlass::make_producer_start_state<VPipe>();
@@ -128,11 +149,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             // Idle groups (rows all outside the sequence) run the loop without GEMMs; the constant
             // below is false where that is off, so no second copy of the loop is compiled.
             if (g.has_keys() && Traits::kSkipIdleGroups && g.group_outside(consumer_group())) {
-                Mainloop::compute(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
+                Mainloop::compute(a, ss, q_pipe, k_pipe, values, q_state, k_state, v_state, seq,
                                   t.bidb, t.bidh, g, acc_o, lse,
                                   cute::bool_constant<Traits::kSkipIdleGroups>{});
             } else if (g.has_keys()) {
-                Mainloop::compute(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
+                Mainloop::compute(a, ss, q_pipe, k_pipe, values, q_state, k_state, v_state, seq,
                                   t.bidb, t.bidh, g, acc_o, lse, cute::false_type{});
             } else {
                 // No key is visible: the rows attend to nothing.
@@ -146,16 +167,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, g, acc_o, lse);
             }
             if (stores && a.p.sink != nullptr) Epilogue::join_sinks(a.p, t.bidh, g, acc_o, lse);
+            // The staged and buffered paths are compiled only where the traits have them (not
+            // for e4m3, whose output type differs from its stages'); elsewhere `staged` and
+            // buffered_output are false.
             if (staged) {
-                if (stores) {
-                    Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state, out_phase,
-                                           seq, t.bidb, t.bidh, g, acc_o, lse);
-                } else {
-                    Epilogue::release_staged(ss, k_pipe, v_pipe, k_state, v_state, out_phase);
+                if constexpr (Traits::kStagedOutput) {
+                    if (stores) {
+                        Epilogue::store_staged(a, ss, k_pipe, v_pipe, k_state, v_state,
+                                               out_phase, seq, t.bidb, t.bidh, g, acc_o, lse);
+                    } else {
+                        Epilogue::release_staged(ss, k_pipe, v_pipe, k_state, v_state, out_phase);
+                    }
+                    out_phase ^= 1;
                 }
-                out_phase ^= 1;
             } else if (stores && Epilogue::buffered_output(a.p)) {
-                Epilogue::store_buffered(a, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
+                if constexpr (Traits::kBufferedOutput) {
+                    Epilogue::store_buffered(a, ss, seq, t.bidb, t.bidh, g, acc_o, lse);
+                }
             } else if (stores) {
                 Epilogue::store(a.p, seq, t.bidb, t.bidh, g, acc_o, lse);
             }
@@ -333,7 +361,9 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         Traits::make_tma_kv(gmem_k),
         Traits::make_tma_kv(gmem_v),
         {},
-        make_tma_copy(SM90_TMA_STORE{}, gmem(p.o, rows_q, p.nheads, batch, p.o_stride),
+        make_tma_copy(SM90_TMA_STORE{},
+                      tma_gmem<typename Traits::OutElement>(p.o, rows_q, p.headdim, p.nheads,
+                                                            batch, p.o_stride),
                       typename Traits::SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}),
         rows_q,
         rows_k,
@@ -373,13 +403,7 @@ template <class T, int kHeadDim>
 void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Band = Sm90FwdTraits<T, kHeadDim, true>;
     using Plain = Sm90FwdTraits<T, kHeadDim, false>;
-    using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
-    using Alibi = Sm90FwdTraits<T, kHeadDim, true, false, true>;
     p.pack_gqa = 1;
-    if (p.alibi_slopes != nullptr) {
-        launch_fwd_sm90<Alibi>(p, stream);
-        return;
-    }
     const bool band = p.window_left >= 0 || p.window_right >= 0;
     // The plain kernel runs batched sequences that end where their tensors do (no varlen, no
     // seqused_k, not paged), and its clusters pair query tiles: all heads' tiles must make whole
@@ -387,15 +411,27 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr && p.block_table == nullptr;
     const bool plain = !band && batched && whole_clusters<Plain>(p);
-    const bool few_tiles =
-        !plain && split_enabled() &&
-        kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
-                  key_blocks<Band>(p)) > 1;
-    const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
-    if (pack > 0) {
-        p.pack_gqa = pack;
-        launch_fwd_sm90<Packed>(p, stream);
-    } else if (plain) {
+    // e4m3 has the plain and band kernels only (the binding refuses ALiBi and pages there): GQA
+    // runs unpacked.
+    if constexpr (!Band::kFp8) {
+        using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+        using Alibi = Sm90FwdTraits<T, kHeadDim, true, false, true>;
+        if (p.alibi_slopes != nullptr) {
+            launch_fwd_sm90<Alibi>(p, stream);
+            return;
+        }
+        const bool few_tiles =
+            !plain && split_enabled() &&
+            kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
+                      key_blocks<Band>(p)) > 1;
+        const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
+        if (pack > 0) {
+            p.pack_gqa = pack;
+            launch_fwd_sm90<Packed>(p, stream);
+            return;
+        }
+    }
+    if (plain) {
         launch_fwd_sm90<Plain>(p, stream);
     } else {
         launch_fwd_sm90<Band>(p, stream);

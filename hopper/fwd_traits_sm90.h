@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/params.h"
+#include "fp8_sm90.h"
 #include "pipelines.h"
 #include "sm90_utils.h"
 #include "tile_size.h"
@@ -28,15 +29,22 @@ namespace flash {
 // kAlibi: the band kernel with ALiBi's bias added to the scores, an instantiation of its own so
 // that the others keep their registers. Not packed: a packed tile's rows are of several heads,
 // each with its slope.
+// T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
+// descales in FwdParams), plain and band kernels only, without clusters; V is transposed in
+// shared memory by the producer group's other warps (hopper/fp8_sm90.h).
 template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false>
 struct Sm90FwdTraits {
     using Element = T;
+    static constexpr bool kFp8 = std::is_same_v<T, cutlass::float_e4m3_t>;
+    using OutElement = std::conditional_t<kFp8, cutlass::bfloat16_t, T>;
     static constexpr bool kBand = kBand_;
     static constexpr bool kPackGQA = kPackGQA_;
     static constexpr bool kAlibi = kAlibi_;
     static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
-    static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kBand);
+    static_assert(!kFp8 || (!kPackGQA && !kAlibi), "e4m3: plain and band kernels only");
+    static constexpr Sm90FwdTile kTile =
+        kFp8 ? sm90_fwd_tile_fp8(kHeadDim) : sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
@@ -58,6 +66,10 @@ struct Sm90FwdTraits {
     static constexpr bool kSkipIdleGroups = kTile.consumer_warpgroups == 3;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpGroups;
     static constexpr int kThreads = 128 + kConsumerThreads;
+    // e4m3: the producer group's warps other than the TMA issuer transpose V's stages; they,
+    // not the consumers, read (and release) the TMA's V stages.
+    static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
+    static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
     // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
@@ -75,11 +87,13 @@ struct Sm90FwdTraits {
     using Stages = Int<kStages>;
 
     // Each consumer warp group takes 64 rows: S = Q K^T with both operands in shared memory,
-    // O += P V with P from registers and V read MN-major (V's rows are its K dimension).
+    // O += P V with P from registers and V read MN-major (V's rows are its K dimension); e4m3
+    // reads the transposed stage K-major.
+    static constexpr GMMA::Major kMajorV = kFp8 ? GMMA::Major::K : GMMA::Major::MN;
     using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, D>>(),
                                           Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
     using MmaPV = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>(),
+        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BN>, GMMA::Major::K, kMajorV>(),
         Layout<Shape<Int<kConsumerWarpGroups>, _1, _1>>{}));
 
     // Rows of d elements, swizzled in 128-byte (64-byte for odd multiples of 32) atoms, the form
@@ -88,9 +102,14 @@ struct Sm90FwdTraits {
         decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, BM, D>());
     using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BM, D>{}));
     using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BN, D, Stages>{}));
-    // V as the PV GEMM's B operand, (d, block_n, stages): the same bytes, transposed view.
-    using SmemLayoutVt = decltype(composition(
+    // V as the PV GEMM's B operand, (d, block_n, stages): the same bytes, transposed view; e4m3:
+    // stages of their own, block_n contiguous (keys in key_of_column order).
+    using SmemLayoutVtView = decltype(composition(
         SmemLayoutKV{}, make_ordered_layout(Shape<D, BN, Stages>{}, Step<_2, _1, _3>{})));
+    using SmemLayoutVtFp8 = decltype(tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, D, BN>(),
+        Shape<D, BN, Stages>{}));
+    using SmemLayoutVt = std::conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVtView>;
 
     // Global tensors as TMA sees them: (rows, d, heads, batch). Batched: rows = seqlen and the
     // batch is a mode; varlen: rows = all packed rows and one batch, sequences found by offset.
@@ -184,12 +203,12 @@ struct Sm90FwdTraits {
     // others write from registers). Each consumer group stages its 64 x d slice of O in
     // the K or V stage its tile read last: no shared memory is free for a buffer of its own at
     // d >= 128. Slices go into K's stage while they fit, the rest into V's.
-    static constexpr bool kStagedOutput = kHeadDim >= 128 && !kPackGQA;
+    static constexpr bool kStagedOutput = kHeadDim >= 128 && !kPackGQA && !kFp8;
     // Below d = 128 a buffer of its own fits (24 KiB beside d=64's 152): each group stages its
     // slice there and leaves without waiting for the TMA, which reads it while the next tile
     // runs; the group waits for that read only before its next store. Packed tiles scatter
     // their rows over heads and write from registers.
-    static constexpr bool kBufferedOutput = kHeadDim <= 64 && !kPackGQA;
+    static constexpr bool kBufferedOutput = kHeadDim <= 64 && !kPackGQA && !kFp8;
     // Band tiles end at the sequence's last row, so that a partial tile (a sequence length not
     // a multiple of block_m) is the top one, which under a causal mask sees the fewest keys:
     // at d=64, causal 1024, 27 instead of 32 tile-blocks per head (+5.5%; 512 +3.4%). Not
@@ -202,13 +221,18 @@ struct Sm90FwdTraits {
     static_assert(2 * kSlicesPerStage >= kConsumerWarpGroups, "O slices do not fit a K + V stage");
     static constexpr bool slice_in_values(int group) { return group >= kSlicesPerStage; }
     static constexpr bool kAnySliceInValues = kConsumerWarpGroups > kSlicesPerStage;
-    using SmemLayoutOSlice = decltype(tile_to_shape(SmemAtom{}, Shape<_64, D>{}));
-    // One group's share of MmaPV: its accumulator registers, written to the slice with
-    // stmatrix (8 x 8 blocks of 16-bit pairs, the accumulator's own arrangement).
-    using MmaPVGroup = decltype(make_tiled_mma(
-        GMMA::rs_op_selector<T, T, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
-    using StoreOSlice = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, T>{}, MmaPVGroup{}));
-    using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemTensor>(),
+    using Out = OutElement;
+    using SmemLayoutOSlice = decltype(tile_to_shape(
+        cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Out, BM, D>(),
+        Shape<_64, D>{}));
+    // One group's share of MmaPV: its accumulator registers (the same arrangement for every
+    // input type), written to the slice with stmatrix (8 x 8 blocks of 16-bit pairs).
+    using MmaPVGroup = decltype(make_tiled_mma(GMMA::rs_op_selector<Out, Out, float, Shape<_64, D, BN>,
+                                                                    GMMA::Major::K, GMMA::Major::MN>()));
+    using StoreOSlice = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Out>{}, MmaPVGroup{}));
+    using GmemOutTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Out const*>(nullptr)),
+                                               std::declval<GmemShape>(), std::declval<GmemStride>()));
+    using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemOutTensor>(),
                                         SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}));
 
     // Q buffers. Two at d <= 64, where tiles are a few key blocks long: the next tile's Q loads
@@ -232,7 +256,17 @@ struct Sm90FwdTraits {
         alignas(1024) cute::array_aligned<T, kConsumerWarpGroups * cosize_v<SmemLayoutOSlice>> o;
     };
     struct NoOBuffer {};
-    struct SharedStorage : std::conditional_t<kBufferedOutput, OBuffer, NoOBuffer> {
+    // e4m3: the transposed V stages and their pipeline.
+    using VtPipe = TransposedVPipeline<kStages>;
+    struct VtBuffer {
+        alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutVtFp8>> vt;
+        typename VtPipe::SharedStorage vt_pipe;
+    };
+    struct NoVtBuffer {};
+    // The pipeline whose stages the consumers' PV GEMMs read.
+    using ValuesPipe = std::conditional_t<kFp8, VtPipe, VPipe>;
+    struct SharedStorage : std::conditional_t<kBufferedOutput, OBuffer, NoOBuffer>,
+                           std::conditional_t<kFp8, VtBuffer, NoVtBuffer> {
         alignas(1024) cute::array_aligned<T, kQStages * kQElems> q;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> k;
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutKV>> v;

@@ -13,6 +13,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "fp8_sm90.h"
 #include "fwd_traits_sm90.h"
 #include "common/seq_info.h"
 #include "common/score.h"
@@ -249,6 +250,38 @@ struct Sm90FwdMainloop {
         load_v(g.n_first);
     }
 
+    // e4m3: the producer group's transposing warps (warp `warp` of kTransposeWarps). They take
+    // the same units from the tile queue as the consumers and, for each tile with keys, wait for
+    // each of its V stages in the order the producer loads them, write it transposed into the
+    // next V^T stage and release it.
+    static __device__ void transpose_values(Args const& a, SharedStorage& ss,
+                                            typename Traits::VPipe& v_pipe,
+                                            typename Traits::VtPipe& vt_pipe,
+                                            typename Traits::Scheduler const& sched, int warp) {
+        static_assert(Traits::kFp8);
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+        Tensor sVt = make_tensor(make_smem_ptr(ss.vt.data()), typename Traits::SmemLayoutVt{});
+        PipeState v_state;
+        PipeState vt_state(0, 1, 0);  // a producer's start: phase 1, every stage free
+        int taken = 0;
+        for (int unit = ss.tiles.pop(taken++); unit != TileQueue::kDone;
+             unit = ss.tiles.pop(taken++)) {
+            const Tile t = sched.tile(unit);
+            const Sm90TileGeometry g = geometry(a.p, SeqInfo(a.p, t.bidb), t);
+            for (int n = g.n_first; n < g.n_last; ++n) {
+                v_pipe.consumer_wait(v_state);
+                vt_pipe.producer_acquire(vt_state);
+                Tensor vt = sVt(_, _, vt_state.index());
+                transpose_value_stage(sV(_, _, v_state.index()), vt, warp,
+                                      Traits::kTransposeWarps);
+                v_pipe.consumer_release(v_state);
+                vt_pipe.producer_commit(vt_state);
+                ++v_state;
+                ++vt_state;
+            }
+        }
+    }
+
     // ---------------------------------------------------------------- consumer ----
 
     // Whether tiles with keys leave through shared memory and a TMA store (the epilogue's
@@ -301,10 +334,13 @@ struct Sm90FwdMainloop {
     // where tiles are end-aligned). It then issues no GEMMs and computes no softmax, so the
     // other groups get the tensor cores to themselves, but it keeps every wait, release, turn
     // and barrier of the tile; its rows are never stored.
+    // e4m3: `v_pipe` is the transposed V's (Traits::ValuesPipe); q_descale * k_descale joins the
+    // scores' scale and v_descale the output's.
     template <class AccO, int kRows, bool kIdle>
     static __device__ void compute(Args const& a, SharedStorage& ss,
                                    typename Traits::QPipe& q_pipe, typename Traits::KPipe& k_pipe,
-                                   typename Traits::VPipe& v_pipe, typename Traits::QState& q_state,
+                                   typename Traits::ValuesPipe& v_pipe,
+                                   typename Traits::QState& q_state,
                                    PipeState& k_state, PipeState& v_state,
                                    SeqInfo const& seq, int bidb, int bidh,
                                    Sm90TileGeometry const& g, AccO& acc_o,
@@ -320,7 +356,7 @@ struct Sm90FwdMainloop {
 
         Tensor sQ = query_buffer(ss, q_state);
         Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
-        Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+        Tensor sVt = make_tensor(make_smem_ptr(values_buffer(ss)), typename Traits::SmemLayoutVt{});
 
         typename Traits::MmaQK mma_qk;
         typename Traits::MmaPV mma_pv;
@@ -354,12 +390,28 @@ struct Sm90FwdMainloop {
             if constexpr (Traits::kPingPong) Turns::pass(group);
         };
 
+        // The scores' scale (softcap's prescale under softcap), with e4m3's q and k descales.
+        float scale_log2 = p.scale_log2;
+        float softcap_prescale = p.softcap_prescale;
+        float v_descale = 1.f;
+        if constexpr (Traits::kFp8) {
+            const int kv = bidb * p.nheads_k + bidh / (p.nheads / p.nheads_k);
+            const float qk = (p.q_descale ? p.q_descale[kv] : 1.f) *
+                             (p.k_descale ? p.k_descale[kv] : 1.f);
+            if (p.softcap > 0.f) {
+                softcap_prescale *= qk;
+            } else {
+                scale_log2 *= qk;
+            }
+            if (p.v_descale) v_descale = p.v_descale[kv];
+        }
+
         // softcap, ALiBi's bias, then the mask where the block needs one (`may_mask` false: the
         // caller knows it does not), then the online softmax (`lazy`: blocks after the first keep the running
         // max unless it moved by a margin).
         auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask, auto lazy) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
-            if (p.softcap > 0.f) apply_softcap(acc_s, p.softcap_prescale);
+            if (p.softcap > 0.f) apply_softcap(acc_s, softcap_prescale);
             if constexpr (Traits::kAlibi) {
                 apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), g.row0, n * kBlockN);
             }
@@ -369,9 +421,9 @@ struct Sm90FwdMainloop {
                 }
             }
             if constexpr (decltype(lazy)::value) {
-                softmax.template update_scores_lazy<T>(s_rc, p.scale_log2, corr, row_err);
+                softmax.template update_scores_lazy<T>(s_rc, scale_log2, corr, row_err);
             } else {
-                softmax.update_scores(s_rc, p.scale_log2, corr);
+                softmax.update_scores(s_rc, scale_log2, corr);
             }
         };
 
@@ -379,15 +431,22 @@ struct Sm90FwdMainloop {
         // them (the next varlen sequence, an unused KV-cache slot). Their P is exactly 0, but
         // 0 * NaN is NaN: zero them before the first PV GEMM reads the block. Batched tensors
         // without seqused_k end at the sequence, and TMA zero-fills past a tensor's end.
+        // e4m3 clears the keys' columns of the transposed stage.
         auto clear_v_tail = [&](int n) {
             if constexpr (!Traits::kBand) return;  // batched only (run_fwd_sm90)
             const int valid = seq.seqlen_k - n * kBlockN;
             if (valid >= kBlockN || !(p.is_varlen() || p.seqused_k != nullptr)) return;
-            Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
             const int stage = v_state.index();
             constexpr int kD = D::value;
             for (int i = ctid; i < (kBlockN - valid) * kD; i += Traits::kConsumerThreads) {
-                sV(valid + i / kD, i % kD, stage) = T(0);
+                const int key = valid + i / kD;
+                if constexpr (Traits::kFp8) {
+                    sVt(i % kD, (key & ~31) | column_of_key(key & 31), stage) = T(0);
+                } else {
+                    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()),
+                                            typename Traits::SmemLayoutKV{});
+                    sV(key, i % kD, stage) = T(0);
+                }
             }
             cutlass::arch::fence_view_async_shared();  // generic writes, then WGMMA reads
             barrier_sync(NamedBarrier::kConsumers, Traits::kConsumerThreads);
@@ -460,7 +519,7 @@ struct Sm90FwdMainloop {
         keys_done(n);
         if (v_held) values_done();
         if constexpr (!kIdle) scores(acc_s, n, corr, cute::true_type{}, cute::false_type{});
-        Tensor rP = convert_fragment<T>(acc_s);
+        Tensor rP = p_fragment(acc_s);
         if (n > g.n_first) k_pipe.consumer_wait(k_state);
 
         // Middle blocks: S of block n and O += P V of block n + 1. With `overlap` both are in
@@ -469,7 +528,7 @@ struct Sm90FwdMainloop {
         // (it does within one basic block, which leaves the softmax no GEMM to overlap).
         // Without it the PV GEMM is done before S is issued into the registers P held.
         auto step = [&](int n, auto may_mask) CUTLASS_LAMBDA_FUNC_INLINE {
-            Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+            Tensor rP_a = p_operand(rP);
             values_wait(n);
             take_turn();
             if constexpr (Traits::kTile.overlap) {
@@ -499,7 +558,7 @@ struct Sm90FwdMainloop {
                 if (n > g.n_first) k_pipe.consumer_wait(k_state);
             }
             OnlineSoftmax<kRows>::rescale(o_rc, corr);
-            rP = convert_fragment<T>(acc_s);
+            rP = p_fragment(acc_s);
         };
         --n;
         if constexpr (Traits::kBand && !Traits::kPackGQA) {
@@ -524,7 +583,7 @@ struct Sm90FwdMainloop {
         }
 
         // Last block: O += P V only.
-        Tensor rP_a = make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+        Tensor rP_a = p_operand(rP);
         values_wait(n);  // n == n_first - 1 here
         take_turn();
         if constexpr (!kIdle) wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
@@ -536,7 +595,38 @@ struct Sm90FwdMainloop {
         ++v_state;
         if (staged && Traits::kAnySliceInValues && cute::elect_one_sync()) ss.values_read.arrive();
 
-        softmax.finalize(o_rc, p.scale_log2, lse, row_err);
+        softmax.finalize(o_rc, scale_log2, lse, row_err);
+        if constexpr (Traits::kFp8) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= v_descale;
+        }
+    }
+
+    // P in the input type: converted in place (16-bit), or packed as the e4m3 A operand.
+    template <class Acc>
+    static __device__ auto p_fragment(Acc const& acc_s) {
+        if constexpr (Traits::kFp8) {
+            return p_as_e4m3_operand<T>(acc_s);
+        } else {
+            return convert_fragment<T>(acc_s);
+        }
+    }
+    // p_fragment's registers as the PV GEMM's A operand.
+    template <class P>
+    static __device__ auto p_operand(P& rP) {
+        if constexpr (Traits::kFp8) {
+            return make_tensor(rP.data(), rP.layout());
+        } else {
+            return make_tensor(rP.data(), wgmma_acc_as_a_operand(rP.layout()));
+        }
+    }
+    // The shared memory the PV GEMMs read V from: V's own stages, or e4m3's transposed ones.
+    static __device__ T* values_buffer(SharedStorage& ss) {
+        if constexpr (Traits::kFp8) {
+            return ss.vt.data();
+        } else {
+            return ss.v.data();
+        }
     }
 
 };

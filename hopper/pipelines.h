@@ -76,6 +76,55 @@ CUTLASS_DEVICE typename Pipe::Params pipeline_params(bool is_producer, uint32_t 
     return params;
 }
 
+// The e4m3 forward's transposed V stages (hopper/fp8_sm90.h): the producer group's transposing
+// warps fill a stage with ordinary stores and arrive once per warp; the consumer warps wait for
+// it, read it with WGMMA and release it like a TMA stage. The same PipelineState as the TMA
+// pipelines, so the consumers' key loop is the same code for both.
+template <int kStages>
+class TransposedVPipeline {
+  public:
+    using PipelineState = cutlass::PipelineState<kStages>;
+    struct SharedStorage {
+        cutlass::arch::ClusterBarrier full[kStages];
+        cutlass::arch::ClusterBarrier empty[kStages];
+    };
+
+    // Thread 0 initialises the barriers; the caller fences and syncs before any use.
+    CUTLASS_DEVICE TransposedVPipeline(SharedStorage& storage, int producer_warps,
+                                       int consumer_warps)
+        : full_(&storage.full[0]), empty_(&storage.empty[0]) {
+        if (threadIdx.x == 0) {
+            CUTE_UNROLL
+            for (int s = 0; s < kStages; ++s) {
+                storage.full[s].init(producer_warps);
+                storage.empty[s].init(consumer_warps);
+            }
+        }
+    }
+
+    // A transposing warp, from cutlass::make_producer_start_state (phase 1: every stage free).
+    CUTLASS_DEVICE void producer_acquire(PipelineState const& state) {
+        empty_[state.index()].wait(state.phase());
+    }
+    // Every lane of a transposing warp once its stores are issued: they become visible to the
+    // WGMMA's reads (the async proxy) before the warp's one arrival.
+    CUTLASS_DEVICE void producer_commit(PipelineState const& state) {
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (cute::elect_one_sync()) full_[state.index()].arrive();
+    }
+    CUTLASS_DEVICE void consumer_wait(PipelineState const& state) {
+        full_[state.index()].wait(state.phase());
+    }
+    CUTLASS_DEVICE void consumer_release(PipelineState const& state) {
+        if (cute::elect_one_sync()) empty_[state.index()].arrive();
+    }
+
+  private:
+    cutlass::arch::ClusterBarrier* full_;
+    cutlass::arch::ClusterBarrier* empty_;
+};
+
 // Q is never multicast: each CTA of a cluster loads its own tile's.
 template <int kStages>
 using QPipeline = OperandPipeline<QOperand, kStages, 1>;

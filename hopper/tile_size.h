@@ -48,6 +48,20 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
                       : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
 
+// The e4m3 forward (inputs in one byte, the output in bf16): the PV GEMM's K dimension (block_n)
+// must be a multiple of 32, an e4m3 WGMMA's K, and V is read K-major, so each V stage is
+// transposed into a stage of its own (Traits::SmemLayoutVt) by the producer group's idle warps.
+// d <= 128 keep the 16-bit tiles (K, V and their transposes take 108-120 KiB). d = 160-192 take
+// block_n 128 (168 KiB at d = 192), d = 224-256 block_n 96, not 80 (176 KiB at d = 256).
+// No clusters: the transposing warps, not the consumers, release V's stages, and a release to
+// the other CTA of a pair would have to wait for both CTAs' transposes.
+constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d) {
+    return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}
+           : d <= 128 ? Sm90FwdTile{192, 128, 2, 3, true, 1, false}
+           : d <= 192 ? Sm90FwdTile{128, 128, 2, 2, true, 1}
+                      : Sm90FwdTile{128, 96, 2, 2, false, 1};
+}
+
 struct Sm90BwdTile {
     int block_m;  // query rows per step of the query loop
     int block_n;  // key rows per CTA: 64 per consumer warp group

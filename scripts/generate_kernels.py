@@ -25,7 +25,11 @@ def read_headdim_tiers(path: Path = ROOT_TIERS) -> tuple[int, ...]:
 
 
 HEADDIM_TIERS = read_headdim_tiers()
-DTYPES = {"fp16": ("cutlass::half_t", "kFp16"), "bf16": ("cutlass::bfloat16_t", "kBf16")}
+DTYPES = {"fp16": ("cutlass::half_t", "kFp16"), "bf16": ("cutlass::bfloat16_t", "kBf16"),
+          "e4m3": ("cutlass::float_e4m3_t", "kE4m3")}
+# Input dtypes of each family: 16-bit everywhere, e4m3 only in the SM90 forward (bf16 output).
+FAMILY_DTYPES = {("fwd", 90): ("fp16", "bf16", "e4m3")}
+DEFAULT_DTYPES = ("fp16", "bf16")
 
 # (kind, arch) -> (output folder, header, launcher template, registrar)
 FAMILIES = {
@@ -66,7 +70,8 @@ def generate() -> list[Path]:
     for (kind, arch), (folder, header, launcher, registrar) in FAMILIES.items():
         folder.mkdir(parents=True, exist_ok=True)
         for hdim in TIERS.get((kind, arch), HEADDIM_TIERS):
-            for dtype, (ctype, dtype_enum) in DTYPES.items():
+            for dtype in FAMILY_DTYPES.get((kind, arch), DEFAULT_DTYPES):
+                ctype, dtype_enum = DTYPES[dtype]
                 text = TEMPLATE.format(
                     prelude=PRELUDE.get(arch, ""), header=header, launcher=launcher, ctype=ctype, hdim=hdim,
                     check=CHECKS.get((kind, arch), "").format(hdim=hdim),

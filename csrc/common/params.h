@@ -116,6 +116,12 @@ struct FwdParams : AttnShape {
     // SM90: SMs the persistent kernels leave free for work running beside them (ring
     // attention's NCCL transfers). 0: the grid fills the GPU.
     int sm_margin = 0;
+    // e4m3 inputs (SM90): float32 factors per (batch, KV head), contiguous (batch, nheads_k);
+    // scores are (q * q_descale) . (k * k_descale) * softmax_scale and the output is taken of
+    // v * v_descale. nullptr: 1.
+    const float* q_descale = nullptr;
+    const float* k_descale = nullptr;
+    const float* v_descale = nullptr;
 };
 
 struct BwdParams : AttnShape {

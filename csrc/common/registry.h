@@ -11,7 +11,12 @@
 namespace flash {
 
 enum class Kind { kFwd, kBwd };
-enum class Dtype { kFp16, kBf16 };
+// Input dtypes; kE4m3 (SM90 forward only) writes a bf16 output.
+enum class Dtype { kFp16, kBf16, kE4m3 };
+
+inline const char* dtype_name(Dtype d) {
+    return d == Dtype::kFp16 ? "fp16" : d == Dtype::kBf16 ? "bf16" : "e4m3";
+}
 
 using FwdLauncher = void (*)(FwdParams&, cudaStream_t);
 using BwdLauncher = void (*)(BwdParams&, cudaStream_t);

@@ -29,14 +29,16 @@ __forceinline__ __device__ float row_reduce(S const& s, int r) {
     return Op::apply(Op::apply(part[0], part[1]), Op::apply(part[2], part[3]));
 }
 
-// x rounded to nearest (ties to even) at T's precision (bf16: 8 significant bits, fp16: 11),
-// kept in fp32: what the conversion of P for the PV GEMM does to x, in three integer ops
-// (through cutlass::NumericConverter the d=256 band key loops load 2 more spilled values).
-// Exact for T's normal range; below it (P < 2^-14 in fp16) it rounds finer than T, which only
-// matters for terms far too small to move a row's output.
+// x rounded to nearest (ties to even) at T's precision (bf16: 8 significant bits, fp16: 11,
+// e4m3: 4), kept in fp32: what the conversion of P for the PV GEMM does to x, in three integer
+// ops (through cutlass::NumericConverter the d=256 band key loops load 2 more spilled values).
+// Exact for T's normal range; below it (P < 2^-14 in fp16, 2^-6 in e4m3) it rounds finer than
+// T, which only matters for terms far too small to move a row's output.
 template <class T>
 __forceinline__ __device__ float round_to(float x) {
-    constexpr int kDropped = std::is_same_v<T, cutlass::half_t> ? 13 : 16;
+    constexpr int kDropped = std::is_same_v<T, cutlass::half_t>          ? 13
+                             : std::is_same_v<T, cutlass::float_e4m3_t> ? 20
+                                                                        : 16;
     const uint32_t bits = __float_as_uint(x);
     const uint32_t half = (1u << (kDropped - 1)) - 1 + ((bits >> kDropped) & 1u);
     return __uint_as_float((bits + half) & ~((1u << kDropped) - 1));
