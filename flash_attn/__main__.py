@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 from flash_attn.build_info import build_info
 
-_DTYPE_ORDER = ("fp16", "bf16")
+_DTYPE_ORDER = ("fp16", "bf16", "e4m3")
 
 
 def format_build_info(info: Dict[str, Any]) -> str:
@@ -64,9 +64,12 @@ def format_build_info(info: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tiers(kernels: List[Dict[str, Any]], arch: int, kind: str) -> List[int]:
+def _tiers(kernels: List[Dict[str, Any]], arch: int, kind: str,
+           fp8: bool = False) -> List[int]:
+    """Head-dim tiers of the (arch, kind) kernels: fp16/bf16 ones, or the e4m3 ones (`fp8`)."""
     return sorted({k.get("headdim") for k in kernels
-                   if k.get("arch") == arch and k.get("kind") == kind})
+                   if k.get("arch") == arch and k.get("kind") == kind
+                   and (k.get("dtype") == "e4m3") == fp8})
 
 
 def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
@@ -75,6 +78,7 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
     the kernels this build registered."""
     fwd90 = _tiers(kernels, 90, "fwd")
     bwd90 = _tiers(kernels, 90, "bwd")
+    fp8_90 = _tiers(kernels, 90, "fwd", fp8=True)
 
     def sm90(tiers: List[int], what: str) -> str:
         if not tiers:
@@ -92,7 +96,10 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
         ("deterministic=True backward", sm90(bwd90, ""), "SM80"),
         ("learnable sink (s_aux)", sm90(fwd90, ""), "SM80"),
         ("dropout_p > 0", "SM80", "SM80"),
-        ("FP8 e4m3 inputs (CPU: the reference)", unsupported, unsupported),
+        ("FP8 e4m3 inputs (CPU: the reference)",
+         (f"SM90 for head-dim tiers {', '.join(map(str, fp8_90))} (forward, bf16 out), "
+          f"else {unsupported}") if fp8_90 else f"{unsupported} (no e4m3 kernels built)",
+         unsupported),
         ("v head dim != q's (the wider one's kernels, padded)", sm90(fwd90, ""), "SM80"),
     ]
 

@@ -1,11 +1,31 @@
-"""FP8 (e4m3) inputs of ``flash_attn_func`` / ``flash_attn_varlen_func`` (issue 30 item 3).
+"""FP8 (e4m3) inputs (issue 30 item 3): the rules of an FP8 call, and the CPU reference's
+dequantization.
 
-q, k and v in ``torch.float8_e4m3fn``, with optional ``q_descale``, ``k_descale``,
-``v_descale`` of shape ``(batch, nheads_k)`` (FlashAttention-3's names: query head h of
-sequence b uses the entry of its key/value head), give a bfloat16 output: attention of the
-dequantized inputs ``x.float() * descale``. The CPU reference implements it by dequantizing and
-running the float32 path; the CUDA kernels do not take FP8 yet (NotImplementedError). There is
-no FP8 backward: a backward through an FP8 forward raises NotImplementedError.
+q, k and v in ``torch.float8_e4m3fn`` (all three), with optional ``q_descale``, ``k_descale``,
+``v_descale`` (FlashAttention-3's names), each float32 of shape ``(batch, nheads_k)`` on q's
+device (batch: the number of sequences, ``cu_seqlens_q.numel() - 1`` for varlen; query head h
+of sequence b uses the entry of its key/value head ``h // (nheads // nheads_k)``; None means
+1), give attention of the dequantized inputs ``x.float() * descale``: scores
+``(q * q_descale) . (k * k_descale) * softmax_scale``, output ``softmax . (v * v_descale)``,
+returned in **bfloat16** (softmax_lse float32 as in any call).
+
+Where it runs (the custom op ``flash_attn::_fwd`` takes the descales as its last three
+arguments, so every path, torch.compile's included, sees the same FP8 call):
+
+* CUDA: the SM90 (H100-class, compute capability 9.0) forward kernels take the e4m3 tensors
+  and the descales as they are (``flash_attn_cuda.fwd``'s trailing ``q_descale``,
+  ``k_descale``, ``v_descale``): batched and varlen, causal, sliding window, softcap, GQA/MQA,
+  a learnable sink. Other GPUs have no FP8 kernels (NotImplementedError), nor do alibi_slopes,
+  dropout_p > 0, return_attn_probs=True, or a v head dim other than q's (MLA) on CUDA. Head
+  dims are zero-padded to a multiple of 16 (16 bytes of e4m3, the TMA's alignment).
+* CPU: the reference dequantizes (:func:`dequantize`) and runs the float32 attention, with
+  every option of a float32 call, then rounds the output to bfloat16.
+* Neither: a paged K/V (block_table), FP8 caches in flash_attn_with_kvcache, and any backward
+  (a backward through an FP8 output raises NotImplementedError, whichever input required
+  grad: q, k, v, a descale or the sink).
+
+The checks (:func:`check_call`) run inside :mod:`flash_attn._validation`, the one place where
+every entry point's arguments are checked.
 """
 
 from __future__ import annotations
@@ -15,17 +35,24 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+E4M3 = torch.float8_e4m3fn
+FP8_DTYPES = (E4M3,)
+OUT_DTYPE = torch.bfloat16  # the output dtype of an FP8 call
+HEADDIM_ALIGN = 16  # the CUDA kernels' head-dim multiple for e4m3 (16 bytes, as 8 for bf16)
+
+NO_BACKWARD = ("flash_attn: the backward of an FP8 (float8_e4m3fn) forward is not "
+               "implemented; run the forward in bf16/fp16 to train")
 
 
 def is_fp8(x) -> bool:
     return isinstance(x, Tensor) and x.dtype in FP8_DTYPES
 
 
-def _descale(fn: str, name: str, d: Optional[Tensor], batch: int, nheads_k: int,
-             device) -> Tensor:
+def _descale(fn: str, name: str, d, batch: int, nheads_k: int, device) -> Optional[Tensor]:
+    """A descale as the op takes it: None (1), or float32 (batch, nheads_k) on q's device,
+    made contiguous (an expanded scalar scale, as vLLM passes, is copied)."""
     if d is None:
-        return torch.ones(batch, nheads_k, dtype=torch.float32, device=device)
+        return None
     if not isinstance(d, Tensor):
         raise TypeError(f"{fn}: {name} must be a tensor or None, got {type(d).__name__}")
     if d.dtype != torch.float32 or tuple(d.shape) != (batch, nheads_k) or d.device != device:
@@ -33,59 +60,7 @@ def _descale(fn: str, name: str, d: Optional[Tensor], batch: int, nheads_k: int,
             f"{fn}: {name} must be a float32 tensor of shape (batch, nheads_k) = "
             f"({batch}, {nheads_k}) on q's device, got {d.dtype} {tuple(d.shape)} on {d.device}"
         )
-    return d
-
-
-def check_inputs(fn: str, q, k, v) -> None:
-    """An FP8 call's q, k, v: all float8_e4m3fn, on the CPU (the reference)."""
-    for name, x in zip(("q", "k", "v"), (q, k, v)):
-        if not is_fp8(x):
-            raise TypeError(
-                f"{fn}: q, k and v must all be float8_e4m3fn for an FP8 call, got {name} of "
-                f"dtype {getattr(x, 'dtype', type(x).__name__)}"
-            )
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            f"{fn}: FP8 (float8_e4m3fn) inputs are not implemented by the CUDA kernels yet; "
-            f"the CPU reference implements them: pass CPU tensors, or bf16/fp16 inputs"
-        )
-
-
-def apply_descales(fn: str, q: Tensor, k: Tensor, v: Tensor, q_descale, k_descale, v_descale,
-                   cu_seqlens_q: Optional[Tensor] = None,
-                   cu_seqlens_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """x * descale for the float32 q, k, v of an FP8 call, already validated as attention
-    inputs (batched (b, s, h, d), or varlen (total, h, d) with each token's sequence read from
-    cu_seqlens). The descales (float32 (batch, nheads_k), None: 1) carry no gradient."""
-    varlen = cu_seqlens_q is not None
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    batch = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
-    group = nheads // nheads_k
-
-    def apply(x: Tensor, d: Tensor, cu: Optional[Tensor]) -> Tensor:
-        per_head = d.repeat_interleave(group, dim=1) if x.shape[-2] == nheads else d
-        if not varlen:
-            return x * per_head[:, None, :, None]
-        rows = torch.repeat_interleave(per_head, (cu[1:] - cu[:-1]).long(), dim=0)
-        return x * rows[:, :, None]
-
-    qd = _descale(fn, "q_descale", q_descale, batch, nheads_k, q.device).detach()
-    kd = _descale(fn, "k_descale", k_descale, batch, nheads_k, q.device).detach()
-    vd = _descale(fn, "v_descale", v_descale, batch, nheads_k, q.device).detach()
-    return apply(q, qd, cu_seqlens_q), apply(k, kd, cu_seqlens_k), apply(v, vd, cu_seqlens_k)
-
-
-def as_float32(fn: str, q, k, v, s_aux, learnable_sink):
-    """An FP8 call's q, k, v (checked: check_inputs) and learnable sink as float32 tensors
-    without gradient (the call has no backward), for the validation and the computation that
-    any float32 call has; the descales come after the validation (apply_descales)."""
-    check_inputs(fn, q, k, v)
-    q, k, v = (x.detach().float() for x in (q, k, v))
-
-    def sink32(sink):  # q's dtype is float32 now: a bf16 sink would no longer match it
-        return sink.detach().float() if isinstance(sink, Tensor) else sink
-
-    return q, k, v, sink32(s_aux), sink32(learnable_sink)
+    return d.contiguous()
 
 
 def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
@@ -95,45 +70,64 @@ def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
         )
 
 
-class _NoBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, out: Tensor) -> Tensor:
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        raise NotImplementedError(
-            "flash_attn: the backward of an FP8 (float8_e4m3fn) forward is not implemented; "
-            "run the forward in bf16/fp16 to train"
-        )
-
-
-def needs_grad(*tensors) -> bool:
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-
-
-def any_fp8(q, k, v) -> bool:
-    return is_fp8(q) or is_fp8(k) or is_fp8(v)
-
-
-def prepare(fn: str, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink):
-    """The start of an entry point that takes FP8 inputs: (fp8, grad, q, k, v, s_aux,
-    learnable_sink). An FP8 call's tensors come back as float32 (as_float32), `grad` saying
-    whether one of its inputs requires grad (for finish); any other call must pass no
-    descale."""
-    if not any_fp8(q, k, v):
+def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, headdim: int,
+               headdim_v: int, q_descale, k_descale, v_descale, dropout_p: float,
+               alibi_slopes, return_attn_probs: bool, paged: bool
+               ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The FP8 rules of a validated attention call (q, k, v, shapes and options already
+    checked, q, k and v of one dtype): the descales as the op takes them, None for a call
+    that is not FP8 (which must pass none). Raises NotImplementedError for what no path
+    implements with FP8 inputs (see the module docstring)."""
+    if q.dtype not in FP8_DTYPES:
         check_no_descale(fn, q_descale, k_descale, v_descale)
-        return False, False, q, k, v, s_aux, learnable_sink
-    grad = needs_grad(q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
-    return (True, grad) + as_float32(fn, q, k, v, s_aux, learnable_sink)
+        return None, None, None
+    if paged:
+        raise NotImplementedError(
+            f"{fn}: FP8 (float8_e4m3fn) inputs with block_table (a paged K/V) are not "
+            f"implemented; pass contiguous K/V or bf16/fp16 inputs"
+        )
+    if device_type == "cuda":
+        missing = [what for what, given in (
+            ("alibi_slopes", alibi_slopes is not None),
+            ("dropout_p > 0", dropout_p > 0.0),
+            ("return_attn_probs=True", return_attn_probs),
+            (f"a v head dim other than q's ({headdim_v} != {headdim}, MLA)",
+             headdim_v != headdim),
+        ) if given]
+        if missing:
+            raise NotImplementedError(
+                f"{fn}: the CUDA FP8 (float8_e4m3fn) kernels do not implement "
+                f"{' or '.join(missing)}; pass bf16/fp16 inputs for it (CPU tensors run it on "
+                f"the reference)"
+            )
+    return (_descale(fn, "q_descale", q_descale, batch, nheads_k, q.device),
+            _descale(fn, "k_descale", k_descale, batch, nheads_k, q.device),
+            _descale(fn, "v_descale", v_descale, batch, nheads_k, q.device))
 
 
-def finish(res, inputs_require_grad: bool):
-    """The FP8 call's result with its output in bf16 (res: out, or (out, lse, probs) with
-    return_attn_probs); where an input (q, k, v, a descale, the sink) requires grad, a backward
-    through the output raises NotImplementedError."""
-    rest = tuple(res[1:]) if isinstance(res, tuple) else None
-    out = (res[0] if rest is not None else res).to(torch.bfloat16)
-    if inputs_require_grad and torch.is_grad_enabled():
-        out = _NoBackward.apply(out.requires_grad_())
-    return out if rest is None else (out,) + rest
+def dequantize(x: Tensor, descale: Optional[Tensor],
+               cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """``x.float() * descale`` for an FP8 q, k or v: batched ``(batch, seqlen, heads, d)``, or
+    varlen ``(total, heads, d)`` with each row's sequence read from ``cu_seqlens`` (whose last
+    entry is ``total``). ``descale`` (float32 ``(batch, nheads_k)``, None: 1) is repeated over
+    the query heads of each key/value head when x has more heads than it has columns."""
+    x = x.detach().float()
+    if descale is None:
+        return x
+    d = descale.detach()
+    group = x.shape[-2] // d.shape[1]
+    if group != 1:
+        d = d.repeat_interleave(group, dim=1)
+    if cu_seqlens is None:
+        return x * d[:, None, :, None]
+    rows = torch.repeat_interleave(d, (cu_seqlens[1:] - cu_seqlens[:-1]).long(), dim=0)
+    return x * rows[:, :, None]
+
+
+def pad_headdim(x: Tensor, n: int) -> Tensor:
+    """x with n zero columns appended to its last dim (bytes 0 are +0.0 in e4m3); padded
+    through a uint8 view, which every device copies. FP8 has no backward: the copy is a new
+    leaf that requires grad where x does, so that a backward still reaches the op's formula
+    and raises NotImplementedError there."""
+    padded = torch.nn.functional.pad(x.detach().view(torch.uint8), [0, n]).view(x.dtype)
+    return padded.requires_grad_(x.requires_grad)

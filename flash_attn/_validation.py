@@ -6,8 +6,9 @@ given and what is expected:
 
 * ``TypeError``: an argument of the wrong Python / tensor type (including dtypes).
 * ``ValueError``: a well-typed argument with a bad value or shape.
-* ``NotImplementedError``: a valid combination this package does not implement (FP8 on CUDA, a
-  forced split count, return_attn_probs with a block_table).
+* ``NotImplementedError``: a valid combination this package does not implement (FP8 inputs
+  with what their kernels lack, :mod:`flash_attn._fp8`; a forced split count,
+  return_attn_probs with a block_table).
 
 Checks that need the *values* of ``cu_seqlens`` (start at 0, nondecreasing, last entry equals the
 number of rows, ``max_seqlen`` not smaller than the longest sequence) would force a device sync on
@@ -28,11 +29,15 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from . import _fp8
 from ._bad_input import raise_pending
 
 MAX_HEADDIM_CUDA = 256
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Dtypes of an FP8 call (q, k, v all of it), on both devices, where the entry point takes the
+# descales (flash_attn/_fp8.py).
+FP8_DTYPES = _fp8.FP8_DTYPES
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "meta")
 
 __all__ = [
@@ -79,6 +84,11 @@ class AttnArgs(NamedTuple):
     alibi_slopes: Optional[Tensor] = None  # float32 (nheads,) or (batch, nheads)
     sink: Optional[Tensor] = None  # learnable sink: float32 (float64 on CPU) (nheads,)
     dropout_p: float = 0.0  # the mask: flash_attn/dropout.py
+    # An FP8 call's descales (flash_attn/_fp8.py): float32 (batch, nheads_k), contiguous, or
+    # None (1); always None for other calls.
+    q_descale: Optional[Tensor] = None
+    k_descale: Optional[Tensor] = None
+    v_descale: Optional[Tensor] = None
 
 
 def check_inputs_enabled() -> bool:
@@ -169,18 +179,33 @@ def _check_device_type(fn: str, name: str, device: torch.device, device_type: st
         )
 
 
-def _check_float_dtype(fn: str, name: str, x: Tensor, device_type: str) -> None:
+def _fp8_not_here(fn: str, name: str, dtype: torch.dtype) -> NotImplementedError:
+    return NotImplementedError(
+        f"{fn}: FP8 ({dtype}) inputs are not implemented here ({name}); flash_attn_func, "
+        f"flash_attn_varlen_func and their packed variants take them, with the descales"
+    )
+
+
+def _check_float_dtype(fn: str, name: str, x: Tensor, device_type: str,
+                       fp8: bool = False) -> None:
+    """x's dtype is one the device's kernels take; `fp8`: the entry point takes FP8 inputs
+    (float8_e4m3fn, with the descales), else they raise NotImplementedError."""
+    dtype = x.dtype
+    if dtype in (CUDA_DTYPES if device_type == "cuda" else CPU_DTYPES):
+        return
+    if dtype in FP8_DTYPES:
+        if fp8:
+            return
+        raise _fp8_not_here(fn, name, dtype)
     if device_type == "cuda":
-        if x.dtype not in CUDA_DTYPES:
-            raise TypeError(
-                f"{fn}: {name} must be float16 or bfloat16 on CUDA, got {x.dtype}; "
-                f"{_dtype_hint(name)}"
-            )
-    elif x.dtype not in CPU_DTYPES:
         raise TypeError(
-            f"{fn}: {name} must be a floating point tensor (float16, bfloat16, float32 or "
-            f"float64 on CPU), got {x.dtype}"
+            f"{fn}: {name} must be float16 or bfloat16 on CUDA, got {dtype}; "
+            f"{_dtype_hint(name)}"
         )
+    raise TypeError(
+        f"{fn}: {name} must be a floating point tensor (float16, bfloat16, float32 or "
+        f"float64 on CPU), got {dtype}"
+    )
 
 
 def _check_same_device(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor) -> None:
@@ -191,8 +216,19 @@ def _check_same_device(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor
         )
 
 
-def _check_same_dtype(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor) -> None:
+def _check_same_dtype(fn: str, ref_name: str, ref: Tensor, name: str, x: Tensor,
+                      fp8: bool = False) -> None:
+    """x has ref's dtype. Where one of them is FP8: an FP8 call needs all of q, k and v in
+    it (`fp8`: the entry point takes FP8 inputs, else NotImplementedError)."""
     if x.dtype != ref.dtype:
+        if ref.dtype in FP8_DTYPES or x.dtype in FP8_DTYPES:
+            if not fp8:
+                raise _fp8_not_here(fn, name if x.dtype in FP8_DTYPES else ref_name,
+                                    x.dtype if x.dtype in FP8_DTYPES else ref.dtype)
+            raise TypeError(
+                f"{fn}: q, k and v must all be float8_e4m3fn for an FP8 call, got {ref_name} "
+                f"of dtype {ref.dtype} and {name} of dtype {x.dtype}"
+            )
         raise TypeError(
             f"{fn}: {name} must have the same dtype as {ref_name} ({ref.dtype}), got {x.dtype}"
         )
@@ -219,11 +255,13 @@ def _check_headdim_v(fn: str, nv: str, headdim_v: int, device_type: str) -> None
 
 
 def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True,
-                       paged: bool = False, headdim_v_differs: bool = False):
+                       paged: bool = False, headdim_v_differs: bool = False,
+                       fp8: bool = False):
     """Type / device / dtype / rank / shape checks shared by the batched and varlen paths
     (`same_batch` False: k and v may hold more sequences than q, as a KV cache does; `paged`:
     varlen q with k and v in pages (num_blocks, page_block_size, nheads_k, headdim);
-    `headdim_v_differs`: v's last dim may differ from q's and k's, as in MLA).
+    `headdim_v_differs`: v's last dim may differ from q's and k's, as in MLA; `fp8`: q, k, v
+    may be float8_e4m3fn, all three, else FP8 raises NotImplementedError).
 
     Returns (nheads, nheads_k, headdim, device_type)."""
     nq, nk, nv = names
@@ -244,9 +282,9 @@ def _check_qkv_tensors(fn, names, q, k, v, varlen: bool, same_batch: bool = True
         _check_same_device(fn, nq, q, nk, k)
     if v_elsewhere:
         _check_same_device(fn, nq, q, nv, v)
-    _check_float_dtype(fn, nq, q, device_type)
-    _check_same_dtype(fn, nq, q, nk, k)
-    _check_same_dtype(fn, nq, q, nv, v)
+    _check_float_dtype(fn, nq, q, device_type, fp8)
+    _check_same_dtype(fn, nq, q, nk, k, fp8)
+    _check_same_dtype(fn, nq, q, nv, v, fp8)
     if varlen and paged:
         _check_rank(fn, nq, q, 3, "(total_q, nheads, headdim)")
         _check_rank(fn, nk, k, 4, "(num_blocks, page_block_size, nheads_k, headdim)")
@@ -478,9 +516,10 @@ def _check_alibi(fn: str, alibi_slopes, q: Tensor, batch: int, nheads: int) -> O
 
 def _check_sink(fn: str, s_aux, learnable_sink, q: Tensor, nheads: int) -> Optional[Tensor]:
     """The learnable sink, given as s_aux or learnable_sink (two names for one argument):
-    None, or (nheads,) of float32 or q's dtype on q's device. Returns it contiguous in float32,
-    or float64 when it is float64 (with float64 q on CPU: the reference then stays float64,
-    which gradcheck needs). Its values are not checked: -inf means no sink."""
+    None, or (nheads,) of float32 or q's dtype (with FP8 q also bfloat16 or float16) on q's
+    device. Returns it contiguous in float32, or float64 when it is float64 (with float64 q on
+    CPU: the reference then stays float64, which gradcheck needs). Its values are not checked:
+    -inf means no sink."""
     if s_aux is not None and learnable_sink is not None:
         raise ValueError(
             f"{fn}: s_aux and learnable_sink are two names for the learnable sink; pass one of "
@@ -490,7 +529,8 @@ def _check_sink(fn: str, s_aux, learnable_sink, q: Tensor, nheads: int) -> Optio
         return None
     name, sink = ("s_aux", s_aux) if s_aux is not None else ("learnable_sink", learnable_sink)
     _check_tensor(fn, name, sink)
-    if sink.dtype != torch.float32 and sink.dtype != q.dtype:
+    if (sink.dtype != torch.float32 and sink.dtype != q.dtype
+            and not (q.dtype in FP8_DTYPES and sink.dtype in CUDA_DTYPES)):
         raise TypeError(
             f"{fn}: {name} must be a float32 tensor (or of q's dtype, {q.dtype}) of shape "
             f"(nheads,), got {sink.dtype}; convert with {name}.float()"
@@ -526,24 +566,49 @@ def validate_qkv(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
     names: Sequence[str] = ("q", "k", "v"),
 ) -> AttnArgs:
-    """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,)."""
+    """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,); FP8 q, k, v
+    with the descales (b, hk) (flash_attn/_fp8.py)."""
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
                                                                 varlen=False,
-                                                                headdim_v_differs=True)
+                                                                headdim_v_differs=True,
+                                                                fp8=True)
     scale, causal, left, right, cap, drop = _check_options(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
     )
+    batch = q.shape[0]
+    descales = _check_fp8(fn, q, v, device_type, batch, nheads_k, headdim, q_descale,
+                          k_descale, v_descale, drop, alibi_slopes, return_attn_probs, False)
     return AttnArgs(
-        varlen=False, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+        varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         softmax_scale=scale, causal=causal, window_left=left, window_right=right,
         softcap=cap, device_type=device_type, dtype=q.dtype,
-        alibi_slopes=_check_alibi(fn, alibi_slopes, q, q.shape[0], nheads),
+        alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
+        q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
     )
+
+
+_NO_DESCALES = (None, None, None)
+
+
+def _check_fp8(fn: str, q: Tensor, v: Tensor, device_type: str, batch: int, nheads_k: int,
+               headdim: int, q_descale, k_descale, v_descale, dropout_p: float, alibi_slopes,
+               return_attn_probs: bool, paged: bool):
+    """The descales as the op takes them ((None, None, None) for a call that is not FP8, which
+    must pass none) and the FP8 rules (flash_attn/_fp8.py, check_call)."""
+    if (q.dtype not in FP8_DTYPES and q_descale is None and k_descale is None
+            and v_descale is None):
+        return _NO_DESCALES
+    return _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
+                           q_descale, k_descale, v_descale, dropout_p, alibi_slopes,
+                           return_attn_probs, paged)
 
 
 def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, n: int):
@@ -551,7 +616,7 @@ def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, 
     device = x.device
     device_type = device.type
     _check_device_type(fn, name, device, device_type)
-    _check_float_dtype(fn, name, x, device_type)
+    _check_float_dtype(fn, name, x, device_type, fp8=True)  # the packed entry points take FP8
     _check_rank(fn, name, x, rank, layout)
     if x.shape[pack_dim] != n:
         raise ValueError(
@@ -597,17 +662,21 @@ def validate_varlen_qkv(
     block_table=None,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
     names: Sequence[str] = ("q", "k", "v"),
     cu_names: Sequence[str] = ("cu_seqlens_q", "cu_seqlens_k"),
     max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
 ) -> AttnArgs:
     """Validate a varlen call: q (total_q, h, d), k/v (total_k, hk, d), cu_seqlens (b + 1,),
     the sink (h,); with block_table (b, max_num_blocks_per_seq), k/v (num_blocks,
-    page_block_size, hk, d)."""
+    page_block_size, hk, d); FP8 q, k, v with the descales (b, hk) (flash_attn/_fp8.py)."""
     paged = block_table is not None
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(fn, names, q, k, v,
                                                                 varlen=True, paged=paged,
-                                                                headdim_v_differs=True)
+                                                                headdim_v_differs=True,
+                                                                fp8=True)
     nq, nk = names[0], names[1]
     cq, ck = cu_names
     _check_cu_seqlens(fn, cq, cu_seqlens_q, nq, q)
@@ -631,6 +700,8 @@ def validate_varlen_qkv(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
     )
+    descales = _check_fp8(fn, q, v, device_type, batch, nheads_k, headdim, q_descale,
+                          k_descale, v_descale, drop, alibi_slopes, return_attn_probs, paged)
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
         _check_cu_seqlens_values(fn, cq, cu_seqlens_q, q.shape[0], nq, "total_q", max_names[0],
@@ -662,6 +733,7 @@ def validate_varlen_qkv(
         window_right=right, softcap=cap, device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
+        q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
     )
 
 

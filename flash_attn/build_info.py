@@ -29,8 +29,8 @@ def build_info() -> Dict[str, Any]:
         None), ``cuda_available`` (``torch.cuda.is_available()``).
         When the extension loads, also what its ``_C.build_info()`` returns: ``archs`` (list of
         ints, e.g. ``[80, 90]``), ``kernels`` (list of dicts with ``kind`` ("fwd"/"bwd"),
-        ``arch``, ``dtype`` ("fp16"/"bf16") and ``headdim`` (tier)), ``cuda`` (the CUDA version
-        it was compiled with) and ``cutlass``.
+        ``arch``, ``dtype`` ("fp16"/"bf16", or "e4m3" for the SM90 FP8 forward kernels) and
+        ``headdim`` (tier)), ``cuda`` (the CUDA version it was compiled with) and ``cutlass``.
         Otherwise ``reason`` (str): why nothing is available (import error text; torch without
         CUDA). CPU tensors always work, through the PyTorch reference.
     """

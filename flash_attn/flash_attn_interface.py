@@ -23,6 +23,10 @@ Notes common to all functions:
   FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
   has it in its softmax, the CUDA forward kernels join it to each finished row, and the
   backward kernels need nothing more than the LSE that includes it.
+* FP8: every function but ``flash_attn_with_kvcache`` takes ``float8_e4m3fn`` q, k, v with
+  FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale`` (last), forward only, with a
+  bfloat16 output: on CUDA the SM90 kernels (H100-class GPUs), on CPU the reference on the
+  dequantized inputs (:mod:`flash_attn._fp8` says what each path takes).
 """
 
 from __future__ import annotations
@@ -77,25 +81,37 @@ def _forward(
     with the narrower side zero-padded to the wider: zero columns of q and k add nothing to the
     scores, zero columns of v give output columns that are sliced off, and the gradients flow
     back through the padding. It costs the padded GEMM work and a copy of the padded tensors;
-    kernels with two head dims would not."""
+    kernels with two head dims would not.
+
+    FP8 inputs (float8_e4m3fn, a.q_descale / k_descale / v_descale) go to the op as they are
+    (out comes back in bfloat16), their head dim padded to a multiple of 16."""
     q, k, v = _maybe_contiguous(q), _maybe_contiguous(k), _maybe_contiguous(v)
     hd = v.shape[-1]  # the output's head dim (v's: it may differ from q's and k's)
-    width_qk = a.headdim + -a.headdim % 8  # a multiple of 8, as the kernels need
-    width_v = hd + -hd % 8
+    # A multiple of 8, as the kernels need (16 for FP8: 16 bytes either way).
+    fp8 = a.dtype in _fp8.FP8_DTYPES
+    align = _fp8.HEADDIM_ALIGN if fp8 else 8
+    width_qk = a.headdim + -a.headdim % align
+    width_v = hd + -hd % align
     if q.device.type != "cpu" and width_qk != width_v:
         width_qk = width_v = max(width_qk, width_v)
+    pad = _fp8.pad_headdim if fp8 else _pad_headdim
     if width_qk != a.headdim:
-        q, k = F.pad(q, [0, width_qk - a.headdim]), F.pad(k, [0, width_qk - a.headdim])
+        q, k = pad(q, width_qk - a.headdim), pad(k, width_qk - a.headdim)
     pad_v = width_v - hd
     if pad_v:
-        v = F.pad(v, [0, pad_v])
+        v = pad(v, pad_v)
     rng_state = new_rng_state(q.device) if a.dropout_p > 0.0 else None
     out, lse = ops.flash_attn_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, deterministic,
         kv_batch_idx, block_table, leftpad_k, a.alibi_slopes, a.sink, a.dropout_p, rng_state,
+        0, a.q_descale, a.k_descale, a.v_descale,  # sm_margin 0, then FP8's descales
     )
     return (out[..., :hd] if pad_v else out), lse, rng_state
+
+
+def _pad_headdim(x: Tensor, n: int) -> Tensor:
+    return F.pad(x, [0, n])
 
 
 def _attention(
@@ -115,6 +131,9 @@ def _attention(
                                    max_seqlen_k, deterministic, block_table=block_table)
     if not return_attn_probs:
         return out
+    if a.dtype in _fp8.FP8_DTYPES:  # the CPU reference's: of the dequantized q and k
+        q = _fp8.dequantize(q, a.q_descale, cu_seqlens_q)
+        k = _fp8.dequantize(k, a.k_descale, cu_seqlens_k)
     probs = reference.attention_probs_ref(
         q.detach(), k.detach(), lse.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
@@ -201,12 +220,20 @@ _COMMON_ARGS_DOC = """
 _COMMON_ARGS_DOC_SINK = _COMMON_ARGS_DOC + _SINK_ARGS_DOC
 
 _FP8_ARGS_DOC = """
-        q_descale, k_descale, v_descale [optional]: (batch_size, nheads_k), float32, for
-            q, k, v in torch.float8_e4m3fn (FlashAttention-3's names): attention of
-            x.float() * descale (query head h of sequence b uses its key/value head's entry;
-            None: 1), returned in bfloat16. CPU tensors only for now (the reference); on CUDA
-            FP8 inputs raise NotImplementedError, and so does a backward through an FP8
-            forward."""
+        q_descale, k_descale, v_descale [optional]: (batch_size, nheads_k), float32, on q's
+            device, for q, k, v in torch.float8_e4m3fn (all three; FlashAttention-3's names
+            and shapes; batch_size is the number of sequences, len(cu_seqlens_q) - 1 for
+            varlen). The call computes the attention of the dequantized inputs
+            x.float() * descale: scores (q * q_descale) . (k * k_descale) * softmax_scale,
+            output softmax . (v * v_descale), where query head h of sequence b uses entry
+            [b, h // (nheads // nheads_k)] (its key/value head's); None means 1. The output is
+            bfloat16 (softmax_lse float32). On CUDA the SM90 kernels run it (H100-class GPUs
+            only; others raise NotImplementedError): batched and varlen, causal, window,
+            softcap, MQA/GQA, the learnable sink; alibi_slopes, dropout_p > 0,
+            return_attn_probs=True and a v head dim other than q's raise NotImplementedError
+            there (CPU tensors run all of them on the reference, in float32). A paged K/V
+            (block_table) and a backward through an FP8 call raise NotImplementedError on
+            both devices."""
 
 _MASK_DOC = """
     If causal=True, the causal mask is aligned to the bottom right corner of the attention
@@ -251,13 +278,17 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_qkvpacked_func"
     a = V.validate_qkvpacked(
         fn, qkv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale,
     )
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
@@ -279,6 +310,7 @@ flash_attn_qkvpacked_func.__doc__ = (
     Arguments:
         qkv: (batch_size, seqlen, 3, nheads, headdim)"""
     + _COMMON_ARGS_DOC_SINK
+    + _FP8_ARGS_DOC
     + _BATCHED_RETURN
 )
 
@@ -296,13 +328,17 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_kvpacked_func"
     a = V.validate_kvpacked(
         fn, q, kv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale,
     )
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
@@ -324,6 +360,7 @@ flash_attn_kvpacked_func.__doc__ = (
         q: (batch_size, seqlen_q, nheads, headdim)
         kv: (batch_size, seqlen_k, 2, nheads_k, headdim)"""
     + _COMMON_ARGS_DOC_SINK
+    + _FP8_ARGS_DOC
     + _BATCHED_RETURN
 )
 
@@ -347,19 +384,15 @@ def flash_attn_func(
     v_descale=None,
 ):
     fn = "flash_attn_func"
-    fp8, grad, q, k, v, s_aux, learnable_sink = _fp8.prepare(
-        fn, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale,
     )
-    if fp8:
-        q, k, v = _fp8.apply_descales(fn, q, k, v, q_descale, k_descale, v_descale)
-    res = _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
-                     return_attn_probs)
-    return _fp8.finish(res, grad) if fp8 else res
+    return _attention(q, k, v, a, None, None, a.seqlen_q, a.seqlen_k, deterministic,
+                      return_attn_probs)
 
 
 flash_attn_func.__doc__ = (
@@ -396,13 +429,17 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_varlen_qkvpacked_func"
     a = V.validate_varlen_qkvpacked(
         fn, qkv, cu_seqlens, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale,
     )
     q, k, v = qkv.unbind(dim=1)
     return _attention(q, k, v, a, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
@@ -430,6 +467,7 @@ flash_attn_varlen_qkvpacked_func.__doc__ = (
             below)."""
     + _MAX_SEQLEN_DOC
     + _COMMON_ARGS_DOC_SINK
+    + _FP8_ARGS_DOC
     + _VARLEN_RETURN
 )
 
@@ -451,6 +489,9 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_varlen_kvpacked_func"
     a = V.validate_varlen_kvpacked(
@@ -458,7 +499,8 @@ def flash_attn_varlen_kvpacked_func(
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs, s_aux=s_aux,
-        learnable_sink=learnable_sink,
+        learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale,
     )
     k, v = kv.unbind(dim=1)
     return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -491,6 +533,7 @@ flash_attn_varlen_kvpacked_func.__doc__ = (
         max_seqlen_k: int. Maximum key sequence length in the batch."""
     + _MAX_SEQLEN_DOC
     + _COMMON_ARGS_DOC_SINK
+    + _FP8_ARGS_DOC
     + _VARLEN_RETURN
 )
 
@@ -519,25 +562,18 @@ def flash_attn_varlen_func(
     v_descale=None,
 ):
     fn = "flash_attn_varlen_func"
-    if block_table is not None and _fp8.any_fp8(q, k, v):
-        raise NotImplementedError(f"{fn}: FP8 inputs with block_table are not implemented")
-    fp8, grad, q, k, v, s_aux, learnable_sink = _fp8.prepare(
-        fn, q, k, v, q_descale, k_descale, v_descale, s_aux, learnable_sink)
     a = V.validate_varlen_qkv(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, return_attn_probs=return_attn_probs,
         block_table=block_table, s_aux=s_aux, learnable_sink=learnable_sink,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
-    if fp8:
-        q, k, v = _fp8.apply_descales(fn, q, k, v, q_descale, k_descale, v_descale,
-                                      cu_seqlens_q, cu_seqlens_k)
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    res = _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     deterministic, return_attn_probs, block_table)
-    return _fp8.finish(res, grad) if fp8 else res
+    return _attention(q, k, v, a, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      deterministic, return_attn_probs, block_table)
 
 
 flash_attn_varlen_func.__doc__ = (

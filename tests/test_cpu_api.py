@@ -76,20 +76,21 @@ def test_exports_and_version():
 
 def test_signatures_match_flash_attention_2():
     """FlashAttention-2's parameters, in its order, then ours: the learnable sink under its two
-    names (s_aux, learnable_sink), and FlashAttention-3's FP8 descales on flash_attn_func and
-    flash_attn_varlen_func, last so that FlashAttention-2's positional calls work."""
+    names (s_aux, learnable_sink), and FlashAttention-3's FP8 descales on every function but
+    flash_attn_with_kvcache, last so that FlashAttention-2's positional calls work."""
     common = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
               "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
     sink = "s_aux=None, learnable_sink=None"
     fp8 = "q_descale=None, k_descale=None, v_descale=None"
     expected = {
         flash_attn_func: f"(q, k, v, {common}, {sink}, {fp8})",
-        flash_attn_qkvpacked_func: f"(qkv, {common}, {sink})",
-        flash_attn_kvpacked_func: f"(q, kv, {common}, {sink})",
-        flash_attn_varlen_qkvpacked_func: f"(qkv, cu_seqlens, max_seqlen, {common}, {sink})",
+        flash_attn_qkvpacked_func: f"(qkv, {common}, {sink}, {fp8})",
+        flash_attn_kvpacked_func: f"(q, kv, {common}, {sink}, {fp8})",
+        flash_attn_varlen_qkvpacked_func:
+            f"(qkv, cu_seqlens, max_seqlen, {common}, {sink}, {fp8})",
         flash_attn_varlen_kvpacked_func:
             f"(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
-            f"{sink})",
+            f"{sink}, {fp8})",
         flash_attn_varlen_func:
             f"(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, {common}, "
             f"block_table=None, {sink}, {fp8})",
@@ -702,3 +703,14 @@ def test_main_lists_features_by_code_path():
     assert lines["FP8 e4m3 inputs (CPU: the reference)"].count("NotImplementedError") == 2
     assert "NotImplementedError" not in lines["v head dim != q's (the wider one's kernels, padded)"]
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["learnable sink (s_aux)"]
+    # e4m3 kernels (SM90 forward only): the FP8 row names their tiers, the others ignore them
+    kernels += [{"kind": "fwd", "arch": 90, "dtype": "e4m3", "headdim": d} for d in (128, 192)]
+    text = format_build_info({"available": True, "flash_attn": "v", "torch": "t",
+                              "archs": [80, 90], "kernels": kernels})
+    assert "sm_90 fwd e4m3: headdim 128, 192" in text
+    lines = {line.split("  ")[1].strip(): line for line in text.splitlines()
+             if line.startswith("  ") and "  " in line.strip()}
+    fp8 = lines["FP8 e4m3 inputs (CPU: the reference)"]
+    assert "SM90 for head-dim tiers 128, 192 (forward, bf16 out)" in fp8
+    assert fp8.count("NotImplementedError") == 2  # other tiers, and 8.x
+    assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward"]

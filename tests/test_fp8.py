@@ -1,7 +1,10 @@
-"""FP8 (float8_e4m3fn) inputs on the CPU reference path (issue 30 item 3; the CUDA kernels do
-not take them yet): the bf16 output against a float32 attention of the same dequantized inputs
-(x.float() * descale per (batch, kv head)), batched and varlen, GQA and causal; the argument
-checks; the NotImplementedError of a backward and of a CUDA call.
+"""FP8 (float8_e4m3fn) inputs (issue 30 item 3) without a GPU: the CPU reference's bf16 output
+against a float32 attention of the same dequantized inputs (x.float() * descale per (batch, kv
+head)), batched and varlen, GQA and causal, the packed variants, padded head dims; the argument
+checks; the NotImplementedError of a backward. The CUDA path's Python side on fake CUDA tensors
+(what it refuses before any kernel, the op's bf16 fake output), with a stand-in extension (the
+arguments `flash_attn_cuda.fwd` gets) and a stand-in build (require_kernel's FP8 rules); the
+kernels themselves are tested by tests/test_fp8_gpu.py.
 
 Accuracy bound: both sides compute the same float32 attention of the same dequantized values;
 ours then rounds to bfloat16 (relative error <= 2^-9 per element), so
@@ -9,12 +12,23 @@ ours then rounds to bfloat16 (relative error <= 2^-9 per element), so
 """
 
 import os
+import re
 import sys
 
 import pytest
 import torch
 
-from flash_attn import _fp8, flash_attn_func, flash_attn_varlen_func
+from flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    ops,
+    reference,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attn_ref import attention_ref  # noqa: E402
@@ -125,18 +139,224 @@ def test_varlen_gqa_descale_per_kv_head():
         within_bound(out[s0:s1], ref[0])
 
 
-def test_cuda_not_implemented_yet():
-    """A CUDA call raises before any work: checked with an e4m3 tensor that reports a CUDA
-    device (the check reads q.device.type)."""
+def test_packed_variants_take_fp8():
+    """qkvpacked / kvpacked (batched and varlen) take FP8 with the descales, as flash_attn_func
+    and flash_attn_varlen_func on the unbound views."""
+    torch.manual_seed(4)
+    b, s, h, d = 2, 9, 2, 32
+    qkv = torch.randn(b, s, 3, h, d).to(E4M3)
+    qd, kd, vd = (torch.rand(b, h) + 0.5 for _ in range(3))
+    kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = flash_attn_func(*qkv.unbind(2), **kw)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, **kw), ref)
+    assert torch.equal(flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], **kw), ref)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    flat = qkv[0].clone()
+    ref = flash_attn_varlen_func(*flat.unbind(1), cu, cu, 5, 5, **kw)
+    assert ref.dtype == torch.bfloat16
+    assert torch.equal(flash_attn_varlen_qkvpacked_func(flat, cu, 5, **kw), ref)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu, cu, 5, 5,
+                                                       **kw), ref)
 
-    class CudaDevice:
-        type = "cuda"
 
-    class OnCuda(torch.Tensor):
-        @property
-        def device(self):
-            return CudaDevice()
+def test_padded_headdim_probs_and_sink():
+    """A head dim that is not a multiple of 16 (zero-padded through a uint8 view), a bf16 sink,
+    an expanded descale (as vLLM passes a scalar scale) and return_attn_probs on CPU."""
+    torch.manual_seed(5)
+    b, sq, sk, h, hk, d = 2, 5, 7, 4, 2, 20
+    q = torch.randn(b, sq, h, d).to(E4M3)
+    k, v = (torch.randn(b, sk, hk, d).to(E4M3) for _ in range(2))
+    qd = torch.tensor(1.5).expand(b, hk)
+    kd, vd = (torch.rand(b, hk) + 0.5 for _ in range(2))
+    sink = torch.randn(h).bfloat16()
+    out, lse, probs = flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
+                                      s_aux=sink, return_attn_probs=True)
+    assert out.shape == (b, sq, h, d) and out.dtype == torch.bfloat16
+    rep = lambda x: x.repeat_interleave(h // hk, 1)[:, None, :, None]  # noqa: E731
+    qf, kf, vf = q.float() * rep(qd), k.float() * kd[:, None, :, None], v.float() * vd[:, None, :, None]
+    ref, ref_lse = attention_ref(qf, kf, vf, sink=sink.float(), compute_dtype=torch.float32)
+    within_bound(out, ref)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    ref_probs = reference.attention_probs_ref(qf, kf, lse, None, None, sq, sk, d ** -0.5,
+                                              False, -1, -1, 0.0)
+    torch.testing.assert_close(probs, ref_probs)
 
-    t = torch.randn(1, 4, 2, 16).to(E4M3).as_subclass(OnCuda)
-    with pytest.raises(NotImplementedError, match="FP8 .* not implemented by the CUDA kernels"):
-        _fp8.check_inputs("flash_attn_func", t, t, t)
+
+def test_backward_raises_with_padded_headdim_and_under_no_grad():
+    q, k, v = (torch.randn(1, 4, 2, 20).to(E4M3) for _ in range(3))
+    out = flash_attn_func(q.requires_grad_(), k, v)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="backward of an FP8"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not flash_attn_func(q, k, v).requires_grad
+
+
+def test_block_table_and_kvcache_not_implemented():
+    q = torch.randn(8, 2, 16).to(E4M3)
+    pages = torch.randn(4, 4, 2, 16).to(E4M3)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="FP8 .* block_table"):
+        flash_attn_varlen_func(q, pages, pages, cu, cu, 8, 8, block_table=table)
+    qb = torch.randn(1, 2, 2, 16)
+    cache = torch.randn(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8"):
+        flash_attn_with_kvcache(qb.to(E4M3), cache.to(E4M3), cache.to(E4M3))
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8 .*k_cache"):
+        flash_attn_with_kvcache(qb, cache.to(E4M3), cache.to(E4M3))
+
+
+@pytest.fixture
+def fake_cuda():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    try:
+        with mode:
+            torch.empty(1, device="cuda", dtype=E4M3)
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"fake CUDA tensors unavailable: {e}")
+    return mode
+
+
+def test_cuda_call_reaches_the_op_with_the_descales(fake_cuda):
+    """On (fake) CUDA tensors an FP8 call passes validation and reaches the custom op, whose
+    fake implementation gives out in bfloat16 (q's shape with v's head dim) and lse float32;
+    the descales must sit on q's device."""
+    with fake_cuda:
+        q = torch.empty(2, 77, 4, 80, device="cuda", dtype=E4M3)
+        k = torch.empty(2, 300, 2, 80, device="cuda", dtype=E4M3)
+        qd = torch.ones(2, 2, device="cuda")
+        out = flash_attn_func(q, k, k, q_descale=qd, k_descale=qd, v_descale=qd, causal=True,
+                              window_size=(64, 0), softcap=10.0,
+                              s_aux=torch.zeros(4, device="cuda"))
+        assert out.shape == (2, 77, 4, 80) and out.dtype == torch.bfloat16
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")  # values unread on CUDA
+        qv, kv = (torch.empty(77, n, 80, device="cuda", dtype=E4M3) for n in (4, 2))
+        out = flash_attn_varlen_func(qv, kv, kv, cu, cu, 72, 72, q_descale=qd, v_descale=qd)
+        assert out.shape == (77, 4, 80) and out.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="q_descale must be a float32 tensor .* on q's device"):
+            flash_attn_func(q, k, k, q_descale=torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("what", ["alibi", "dropout", "probs", "mla"])
+def test_cuda_unsupported_combinations(fake_cuda, what):
+    """What the CUDA FP8 kernels lack raises NotImplementedError naming it, before any kernel
+    (the CPU reference runs all four)."""
+    with fake_cuda:
+        q = torch.empty(1, 8, 2, 64, device="cuda", dtype=E4M3)
+        v = torch.empty(1, 8, 2, 32, device="cuda", dtype=E4M3) if what == "mla" else q
+        kw = dict(alibi=dict(alibi_slopes=torch.ones(2, device="cuda")),
+                  dropout=dict(dropout_p=0.1), probs=dict(return_attn_probs=True),
+                  mla={})[what]
+        name = dict(alibi="alibi_slopes", dropout="dropout_p > 0",
+                    probs="return_attn_probs=True", mla="v head dim")[what]
+        with pytest.raises(NotImplementedError, match=f"CUDA FP8 .* {re.escape(name)}"):
+            flash_attn_func(q, q, v, **kw)
+    q = torch.randn(1, 8, 2, 64).to(E4M3)
+    v = torch.randn(1, 8, 2, 32).to(E4M3) if what == "mla" else q
+    kw = dict(alibi=dict(alibi_slopes=torch.ones(2)), dropout=dict(dropout_p=0.1),
+              probs=dict(return_attn_probs=True), mla={})[what]
+    res = flash_attn_func(q, q, v, **kw)
+    out = res[0] if isinstance(res, tuple) else res
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+class _FakeExt:
+    """A stand-in extension: ``fwd`` with FP8's trailing descales, recording its arguments and
+    running the CPU reference on the dequantized inputs (no fwd_plain: FP8 must not take it)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+            block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
+            q_descale=None, k_descale=None, v_descale=None):
+        self.calls.append(dict(dtype=q.dtype, descales=(q_descale, k_descale, v_descale),
+                               sm_margin=sm_margin, sink=sink))
+        return ops._fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                            softcap, False, kv_batch_idx, block_table, leftpad_k, alibi_slopes,
+                            sink, dropout_p, rng_state, sm_margin, q_descale, k_descale,
+                            v_descale)
+
+
+def test_cuda_impl_passes_fp8_and_descales_to_fwd(monkeypatch):
+    """ops._fwd_cuda hands FP8 q, k, v as they are to the extension's fwd (never fwd_plain),
+    the descales last, after sm_margin; the result is what the op returns."""
+    ext = _FakeExt()
+    monkeypatch.setattr(ops, "_EXT", ext)
+    monkeypatch.setattr(ops, "require_kernel", lambda *args: None)
+    torch.manual_seed(6)
+    q = torch.randn(2, 5, 4, 16).to(E4M3)
+    k, v = (torch.randn(2, 6, 2, 16).to(E4M3) for _ in range(2))
+    qd, kd, vd = (torch.rand(2, 2) + 0.5 for _ in range(3))
+    args = (q, k, v, None, None, None, 5, 6, 0.25, True, -1, 0, 0.0)
+    out, lse = ops._fwd_cuda(*args, False, None, None, None, None, None, 0.0, None, 3, qd, kd,
+                             vd)
+    (call,) = ext.calls
+    assert call["dtype"] == E4M3 and call["sm_margin"] == 3
+    assert all(a is b for a, b in zip(call["descales"], (qd, kd, vd)))
+    ref_out, ref_lse = ops._fwd_cpu(*args, False, None, None, None, None, None, 0.0, None, 0,
+                                    qd, kd, vd)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    # no descales: None reaches the extension (1)
+    ops._fwd_cuda(*args)
+    assert ext.calls[-1]["descales"] == (None, None, None)
+
+
+def test_require_kernel_fp8_rules(monkeypatch):
+    """e4m3 kernels are SM90 forward kernels: another GPU, FLASH_ATTN_FORCE_SM80=1 or a missing
+    tier raise NotImplementedError; bf16 kernels of the same tier do not count."""
+    dev = torch.device("cuda", 0)
+    built = {("fwd", 90, "e4m3", 128), ("fwd", 80, "bf16", 64), ("fwd", 90, "bf16", 64)}
+    monkeypatch.setattr(ops, "_BUILT_KERNELS", built)
+    monkeypatch.delenv("FLASH_ATTN_FORCE_SM80", raising=False)
+    monkeypatch.setattr(ops, "_capability", lambda device: (8, 0))
+    with pytest.raises(NotImplementedError, match=r"H100-class \(sm90\) GPU"):
+        ops.require_kernel("fwd", E4M3, 128, dev)
+    monkeypatch.setattr(ops, "_capability", lambda device: (9, 0))
+    ops.require_kernel("fwd", E4M3, 128, dev)
+    ops.require_kernel("fwd", E4M3, 112, dev)  # tier 128
+    with pytest.raises(NotImplementedError, match="kernel was built for e4m3 head dim 64"):
+        ops.require_kernel("fwd", E4M3, 64, dev)
+    with pytest.raises(NotImplementedError, match="kernel was built for e4m3"):
+        ops.require_kernel("bwd", E4M3, 128, dev)
+    monkeypatch.setenv("FLASH_ATTN_FORCE_SM80", "1")
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_FORCE_SM80=1"):
+        ops.require_kernel("fwd", E4M3, 128, dev)
+    ops.require_kernel("fwd", torch.bfloat16, 64, dev)  # unchanged for bf16
+
+
+def test_compile_fullgraph_fp8():
+    """torch.compile traces an FP8 call as one op node (the fake gives bf16), with the same
+    result as eager."""
+    torch.manual_seed(7)
+    q = torch.randn(2, 5, 4, 16).to(E4M3)
+    k, v = (torch.randn(2, 6, 2, 16).to(E4M3) for _ in range(2))
+    qd, kd, vd = (torch.rand(2, 2) + 0.5 for _ in range(3))
+
+    def f(q, k, v, qd, kd, vd):
+        return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    torch._dynamo.reset()
+    out_c = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, qd, kd, vd)
+    out_e = f(q, k, v, qd, kd, vd)
+    assert out_c.dtype == torch.bfloat16 and torch.equal(out_c, out_e)
+
+
+def test_opcheck_fp8_fwd():
+    torch.manual_seed(8)
+    q = torch.randn(2, 4, 4, 16).to(E4M3)
+    k, v = (torch.randn(2, 5, 2, 16).to(E4M3) for _ in range(2))
+    qd, kd, vd = (torch.rand(2, 2) + 0.5 for _ in range(3))
+    # test_schema is left out: it multiplies the inputs, which CPU torch has no e4m3 kernel for.
+    res = torch.library.opcheck(
+        torch.ops.flash_attn._fwd.default,
+        (q, k, v, None, None, None, 4, 5, 0.3, True, -1, 0, 0.0, False, None, None, None,
+         None, None, 0.0, None, 0, qd, kd, vd),
+        test_utils=("test_autograd_registration", "test_faketensor",
+                    "test_aot_dispatch_dynamic"))
+    assert all(r == "SUCCESS" for r in res.values()), res

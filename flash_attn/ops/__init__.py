@@ -34,16 +34,24 @@ seed and offset, flash_attn/dropout.py), which ``flash_attn_cuda.fwd`` and
 binding runs the SM80 kernels under dropout on every GPU). ``_fwd`` ends with ``sm_margin``: SMs
 the SM90 forward's persistent grid leaves free for work running beside it, such as ring
 attention's NCCL transfers (a scheduling hint: the CPU and the SM80 kernels, whose grids do not
-hold the GPU, have nothing to leave). ``_kvcache_update`` follows
+hold the GPU, have nothing to leave). ``_fwd`` then ends with ``q_descale``, ``k_descale`` and
+``v_descale``, the descales of FP8 inputs (flash_attn/_fp8.py): float32 ``(batch, nheads_k)``,
+contiguous, on q's device, or None (1). With q, k, v in ``float8_e4m3fn`` the CUDA kernel calls
+``flash_attn_cuda.fwd`` with them as its last three arguments (the SM90 FP8 kernels; never
+``fwd_plain``), the CPU kernel dequantizes (``x.float() * descale``) and runs the float32
+reference, and both return ``out`` in bfloat16; the autograd formula raises
+NotImplementedError (no FP8 backward). ``_kvcache_update`` follows
 ``flash_attn_cuda.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
-stride-1 last dim, head dim a multiple of 8 on CUDA (the interface zero-pads other head dims),
+stride-1 last dim, head dim a multiple of 8 on CUDA, 16 for FP8 (the interface zero-pads other
+head dims), FP8 only batched or varlen without paged or indexed K/V,
 ``softmax_scale`` already resolved to a float, the window normalized
 (``causal`` implies ``window_right == 0``), and the sink contiguous float32 (float64 beside
 float64 CPU inputs).
 
-Outputs are always freshly allocated contiguous tensors: ``out`` has q's shape and dtype,
+Outputs are always freshly allocated contiguous tensors: ``out`` has q's shape (with v's head
+dim) and dtype (bfloat16 for FP8 q),
 ``softmax_lse`` is float32 of shape ``(batch, nheads, seqlen_q)``, or ``(nheads, total_q)`` for
 varlen (``cu_seqlens_q`` given); ``dq, dk, dv`` have the shapes and dtypes of q, k, v.
 """
@@ -57,7 +65,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import _fp8, reference
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "kvcache_update", "load_extension",
            "sink_grad"]
@@ -139,10 +147,14 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
     FLASH_ATTN_FORCE_SM80=1, else SM80). The binding raises the same error; every entry point
     calls this first so that the error comes before any output is allocated.
 
+    FP8 (torch.float8_e4m3fn, build_info's dtype "e4m3") has SM90 forward kernels only: on
+    another GPU, or with FLASH_ATTN_FORCE_SM80=1, it raises NotImplementedError saying so.
+
     Arguments:
         kind: "fwd" or "bwd".
-        dtype: torch.float16 or torch.bfloat16.
-        headdim: the head dim handed to the kernel (a multiple of 8, at most 256).
+        dtype: torch.float16, torch.bfloat16 or torch.float8_e4m3fn.
+        headdim: the head dim handed to the kernel (a multiple of 8, of 16 for FP8, at most
+            256).
         device: the CUDA device of the call.
     """
     global _BUILT_KERNELS
@@ -150,7 +162,12 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         _BUILT_KERNELS = {(k["kind"], k["arch"], k["dtype"], k["headdim"])
                           for k in load_extension().build_info()["kernels"]}
     tier = _tier(headdim)
-    dt = "fp16" if dtype == torch.float16 else "bf16"
+    if dtype == torch.float16:
+        dt = "fp16"
+    elif dtype == torch.bfloat16:
+        dt = "bf16"
+    else:
+        return _require_fp8_kernel(kind, tier, headdim, device)
     if (kind, 80, dt, tier) in _BUILT_KERNELS:
         return
     # Only without an SM80 kernel do the capability and FLASH_ATTN_FORCE_SM80 matter; the
@@ -164,6 +181,30 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         f"FLASH_ATTN_DTYPES including {dt}"
         + (" and FLASH_ATTN_DISABLE_BACKWARD unset" if kind == "bwd" else "")
         + "; `python -m flash_attn` lists what was built.")
+
+
+def _require_fp8_kernel(kind: str, tier: Optional[int], headdim: int,
+                        device: torch.device) -> None:
+    """require_kernel for FP8 (e4m3): an SM90 kernel on a compute capability 9.0 GPU."""
+    cap = _capability(device)
+    if cap != (9, 0):
+        raise NotImplementedError(
+            f"flash_attn: FP8 (float8_e4m3fn) attention needs an H100-class (sm90) GPU: only "
+            f"the SM90 kernels take it, and {device} has compute capability "
+            f"{cap[0]}.{cap[1]}; pass bf16/fp16 inputs on this GPU"
+        )
+    if os.environ.get("FLASH_ATTN_FORCE_SM80", "") == "1":
+        raise NotImplementedError(
+            "flash_attn: FP8 (float8_e4m3fn) attention runs on the SM90 kernels only, and "
+            "FLASH_ATTN_FORCE_SM80=1 selects the SM80 kernels; unset it for FP8 inputs"
+        )
+    if (kind, 90, "e4m3", tier) in _BUILT_KERNELS:
+        return
+    raise NotImplementedError(
+        f"flash_attn: no {'forward' if kind == 'fwd' else 'backward'} kernel was built for "
+        f"e4m3 head dim {headdim} (tier {tier}). Rebuild with FLASH_ATTN_HEADDIMS including "
+        f"{tier}, FLASH_ATTN_DTYPES including e4m3 and sm_90 among the targets; "
+        f"`python -m flash_attn` lists what was built.")
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -223,6 +264,9 @@ def _fwd_op(
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
     sm_margin: int = 0,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -233,7 +277,21 @@ def _fwd_op(
 def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None,
-             dropout_p=0.0, rng_state=None, sm_margin=0):
+             dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None, k_descale=None,
+             v_descale=None):
+    if q.dtype in _fp8.FP8_DTYPES:
+        # The reference of an FP8 call: the float32 attention of the dequantized inputs
+        # (batched or varlen: the interface refuses FP8 with paged or indexed K/V), rounded
+        # to bfloat16.
+        q, k, v = (_fp8.dequantize(x, d, cu) for x, d, cu in (
+            (q, q_descale, cu_seqlens_q), (k, k_descale, cu_seqlens_k),
+            (v, v_descale, cu_seqlens_k)))
+        out, lse = _fwd_cpu(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, deterministic,
+            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
+            sm_margin)
+        return out.to(_fp8.OUT_DTYPE), lse
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
@@ -269,11 +327,16 @@ def _out_shape(q: Tensor, v: Tensor) -> Tuple[int, ...]:
     return tuple(q.shape[:-1]) + (v.shape[-1],)
 
 
+def _out_dtype(q: Tensor) -> torch.dtype:
+    """q's dtype; bfloat16 for FP8 q (flash_attn/_fp8.py)."""
+    return _fp8.OUT_DTYPE if q.dtype in _fp8.FP8_DTYPES else q.dtype
+
+
 def _empty_forward(q: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
                    sink: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     # Nothing to launch: no query rows, or no keys at all (every row then has no kept key, and
     # its softmax is the sink alone: lse = the sink's logit, +inf where it is -inf or absent).
-    out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    out = torch.zeros(_out_shape(q, v), dtype=_out_dtype(q), device=q.device)
     lse = torch.full(_lse_shape(q, cu_seqlens_q), float("inf"), dtype=torch.float32,
                      device=q.device)
     if sink is not None:
@@ -286,12 +349,22 @@ def _empty_forward(q: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
 def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
+              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None,
+              k_descale=None, v_descale=None):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, v, cu_seqlens_q, sink)
     require_kernel("fwd", q.dtype, q.shape[-1], q.device)
     ext = load_extension()
+    if q.dtype in _fp8.FP8_DTYPES:
+        # The SM90 FP8 kernels, through fwd (fwd_plain takes no descales): out in bfloat16.
+        out, lse = ext.fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
+            block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
+            q_descale, k_descale, v_descale,
+        )
+        return out, lse
     # A tuple, which the eager autograd.Function (_FlashAttnFunc) takes as two tensor outputs.
     if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_k is None
             and kv_batch_idx is None and block_table is None and leftpad_k is None
@@ -313,8 +386,10 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
-    out = q.new_empty(_out_shape(q, v))  # contiguous, like the real implementations
+              sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None,
+              k_descale=None, v_descale=None):
+    # contiguous, like the real implementations; bfloat16 for FP8 q
+    out = q.new_empty(_out_shape(q, v), dtype=_out_dtype(q))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
     return out, lse
 
@@ -448,8 +523,13 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
      kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
-     _sm_margin) = inputs
+     _sm_margin, _q_descale, _k_descale, _v_descale) = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
+    # An FP8 forward has no backward (_backward raises): nothing to save.
+    ctx.fp8 = q.dtype in _fp8.FP8_DTYPES
+    if ctx.fp8:
+        return
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
                           alibi_slopes, sink, rng_state)
     ctx.dropout_p = dropout_p
@@ -464,11 +544,12 @@ def _setup_context(ctx, inputs, output):
     ctx.window_right = window_right
     ctx.softcap = softcap
     ctx.deterministic = deterministic
-    ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     # dlse is ignored: softmax_lse is marked non-differentiable.
+    if ctx.fp8:
+        raise NotImplementedError(_fp8.NO_BACKWARD)
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kv_batch_idx,
      alibi_slopes, sink, rng_state) = ctx.saved_tensors
     if ctx.left_padded:
@@ -506,7 +587,7 @@ def _backward(ctx, dout, dlse):
             dv = torch.zeros_like(v).index_add_(0, idx, dv)
     if sink is not None and needs[18]:
         dsink = sink_grad(dout, out, lse, sink, cu_seqlens_q is not None)
-    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None, None)
+    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None, None, None, None, None)
 
 
 def sink_grad(dout: Tensor, out: Tensor, softmax_lse: Tensor, sink: Tensor,
@@ -574,9 +655,14 @@ def flash_attn_fwd(
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
     sm_margin: int = 0,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k, v and the sink
-    (softmax_lse is not differentiable).
+    (softmax_lse is not differentiable). FP8 q, k, v (float8_e4m3fn, with the descales) give
+    a bfloat16 ``out`` and no backward: where one of q, k, v, the sink or a descale requires
+    grad, a backward through ``out`` raises NotImplementedError.
 
     While ``torch.compile`` traces, or when :func:`_direct_call_ok` says no, this is the custom op
     ``torch.ops.flash_attn._fwd``, which traces as one node. In eager mode it calls the op's
@@ -589,17 +675,23 @@ def flash_attn_fwd(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
             kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
-            sm_margin)
+            sm_margin, q_descale, k_descale, v_descale)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
                                                              leftpad_k, alibi_slopes, sink,
-                                                             rng_state):
+                                                             rng_state, q_descale, k_descale,
+                                                             v_descale):
         return _fwd_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (sink is not None and sink.requires_grad)):
+                                    or (sink is not None and sink.requires_grad)
+                                    or _requires_grad(q_descale, k_descale, v_descale)):
         return _FlashAttnFunc.apply(*args)
     return _fwd_impl(*args)
+
+
+def _requires_grad(*tensors: Optional[Tensor]) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 # --------------------------------------------------------------------------------------------
