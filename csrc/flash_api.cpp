@@ -696,7 +696,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     const bool sm90_ok =
         dropout_p <= 0.0 &&
         (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
-    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q), pb.headdim, sm90_ok);
+    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q, true), pb.headdim, sm90_ok);
     check_grid(pb);
 
     Tensor out = e4m3 ? empty_on(q, q.sizes(), ScalarType::BFloat16) : empty_on(q, q.sizes());

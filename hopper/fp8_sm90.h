@@ -74,38 +74,52 @@ __forceinline__ __device__ void transpose_bytes_4x4(uint32_t (&w)[4]) {
     w[3] = __byte_perm(t2, t3, 0x7632);
 }
 
-// Writes one V stage (block_n keys x d, K-major) transposed into a V^T stage (d x block_n,
-// block_n contiguous, keys in key_of_column order), run by `warps` warps, this one `warp`.
-// A lane moves 4 keys x 4 columns of d per item: four 4-byte loads, a byte transpose, four
-// 4-byte stores. Lane (p = lane / 4, q = lane % 4) of item (s, u) takes keys from the 16-key
-// group (p + s) % (block_n / 16) and columns 4p + 32u: with 128-byte rows in 128-byte swizzle
-// atoms (d = 128 and block_n = 128), each of a warp's loads and stores then touches 32
-// different banks.
-template <class SV, class SVt>
-__forceinline__ __device__ void transpose_value_stage(SV const& sv, SVt& svt, int warp, int warps) {
-    constexpr int kBlockN = decltype(size<0>(sv))::value;
-    constexpr int kD = decltype(size<1>(sv))::value;
+__forceinline__ __device__ uint32_t load_shared_u32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+__forceinline__ __device__ void store_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Writes stage `stage` of V (layout LayoutV: block_n keys x d x stages, K-major, at shared
+// address v) transposed into stage `stage_t` of V^T (LayoutVt: d x block_n x stages, block_n
+// contiguous, keys in key_of_column order, at vt), run by `warps` warps, this one `warp`. A lane
+// moves 4 keys x 4 columns of d per item: four 4-byte loads, a byte transpose, four 4-byte
+// stores. Lane (p = lane / 4, q = lane % 4) of item (s, u) takes keys from the 16-key group
+// (p + s) % (block_n / 16) and columns 4p + 32u: with 128-byte rows in 128-byte swizzle atoms
+// (d = 128 and block_n = 128), each of a warp's loads and stores then touches 32 different
+// banks. Shared-space addresses of 32 bits (a generic pointer would take two registers of
+// the producer group's few).
+template <class LayoutV, class LayoutVt>
+__forceinline__ __device__ void transpose_value_stage(uint32_t v, int stage, uint32_t vt,
+                                                      int stage_t, int warp, int warps) {
+    constexpr int kBlockN = decltype(size<0>(LayoutV{}))::value;
+    constexpr int kD = decltype(size<1>(LayoutV{}))::value;
     static_assert(kBlockN % 32 == 0 && kD % 32 == 0);
     constexpr int kGroups = kBlockN / 16;
     constexpr int kItems = kGroups * (kD / 32);
     const int lane = int(threadIdx.x % 32);
     const int p = lane / 4;
     const int q = lane % 4;
-    using Word = uint32_t;
     for (int item = warp; item < kItems; item += warps) {
         const int s = item % kGroups;
         const int u = item / kGroups;
         const int col0 = 16 * ((p + s) % kGroups) + 4 * q;  // V^T columns col0..col0 + 3
         const int d0 = 4 * p + 32 * u;                      // V's columns d0..d0 + 3
-        Word w[4];
+        uint32_t w[4];
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
             const int key = (col0 & ~31) | key_of_column((col0 & 31) + j);
-            w[j] = *reinterpret_cast<Word const*>(&sv(key, d0));
+            w[j] = load_shared_u32(v + uint32_t(LayoutV{}(key, d0, stage)));
         }
         transpose_bytes_4x4(w);
         CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) *reinterpret_cast<Word*>(&svt(d0 + i, col0)) = w[i];
+        for (int i = 0; i < 4; ++i) {
+            store_shared_u32(vt + uint32_t(LayoutVt{}(d0 + i, col0, stage_t)), w[i]);
+        }
     }
 }
 

@@ -259,8 +259,8 @@ struct Sm90FwdMainloop {
                                             typename Traits::VtPipe& vt_pipe,
                                             typename Traits::Scheduler const& sched, int warp) {
         static_assert(Traits::kFp8);
-        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
-        Tensor sVt = make_tensor(make_smem_ptr(ss.vt.data()), typename Traits::SmemLayoutVt{});
+        const uint32_t v = cute::cast_smem_ptr_to_uint(ss.v.data());
+        const uint32_t vt = cute::cast_smem_ptr_to_uint(ss.vt.data());
         PipeState v_state;
         PipeState vt_state(0, 1, 0);  // a producer's start: phase 1, every stage free
         int taken = 0;
@@ -271,9 +271,8 @@ struct Sm90FwdMainloop {
             for (int n = g.n_first; n < g.n_last; ++n) {
                 v_pipe.consumer_wait(v_state);
                 vt_pipe.producer_acquire(vt_state);
-                Tensor vt = sVt(_, _, vt_state.index());
-                transpose_value_stage(sV(_, _, v_state.index()), vt, warp,
-                                      Traits::kTransposeWarps);
+                transpose_value_stage<typename Traits::SmemLayoutKV, typename Traits::SmemLayoutVt>(
+                    v, v_state.index(), vt, vt_state.index(), warp, Traits::kTransposeWarps);
                 v_pipe.consumer_release(v_state);
                 vt_pipe.producer_commit(vt_state);
                 ++v_state;
