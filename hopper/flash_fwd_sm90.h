@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             ConsumerTurns<Traits::kConsumerWarpGroups>::start(consumer_group());
         }
         typename Traits::QState q_state;
-        typename Traits::PipeState k_state, v_state;
+        typename Traits::PipeState k_state;
+        typename Traits::ValuesState v_state;
         int out_phase = 0;  // parity of keys_read / values_read, one phase per staged tile
         typename Traits::MmaPV mma_pv;
         int taken = 0;

@@ -48,6 +48,11 @@ struct Sm90FwdTraits {
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
+    // e4m3: stages of transposed V. The transposing warps may write a stage only once all
+    // consumer groups' PV GEMMs have read it, and with as few stages as V's each transpose sat
+    // between one group's release and the next step's wait (d = 128: 331-355 TFLOP/s, 795-858
+    // with the transpose left out, H100, 2026-11-28); more stages let it run ahead.
+    static constexpr int kVtStages = kFp8 ? (kHeadDim <= 192 ? 4 : 3) : kStages;
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;
     static constexpr int kClusterM = kTile.cluster_m;
@@ -108,7 +113,7 @@ struct Sm90FwdTraits {
         SmemLayoutKV{}, make_ordered_layout(Shape<D, BN, Stages>{}, Step<_2, _1, _3>{})));
     using SmemLayoutVtFp8 = decltype(tile_to_shape(
         cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, T, D, BN>(),
-        Shape<D, BN, Stages>{}));
+        Shape<D, BN, Int<kVtStages>>{}));
     using SmemLayoutVt = std::conditional_t<kFp8, SmemLayoutVtFp8, SmemLayoutVtView>;
 
     // Global tensors as TMA sees them: (rows, d, heads, batch). Batched: rows = seqlen and the
@@ -246,6 +251,8 @@ struct Sm90FwdTraits {
     using KPipe = KPipeline<kStages, kClusterM>;
     using VPipe = VPipeline<kStages, kClusterM>;
     using PipeState = cutlass::PipelineState<kStages>;
+    // The state of the stages the PV GEMMs read (ValuesPipe's).
+    using ValuesState = cutlass::PipelineState<kVtStages>;
 
     static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(T);
     static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(T);
@@ -257,7 +264,7 @@ struct Sm90FwdTraits {
     };
     struct NoOBuffer {};
     // e4m3: the transposed V stages and their pipeline.
-    using VtPipe = TransposedVPipeline<kStages>;
+    using VtPipe = TransposedVPipeline<kVtStages>;
     struct VtBuffer {
         alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutVtFp8>> vt;
         typename VtPipe::SharedStorage vt_pipe;

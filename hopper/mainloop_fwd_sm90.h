@@ -262,7 +262,7 @@ struct Sm90FwdMainloop {
         const uint32_t v = cute::cast_smem_ptr_to_uint(ss.v.data());
         const uint32_t vt = cute::cast_smem_ptr_to_uint(ss.vt.data());
         PipeState v_state;
-        PipeState vt_state(0, 1, 0);  // a producer's start: phase 1, every stage free
+        typename Traits::ValuesState vt_state(0, 1, 0);  // a producer's start: all stages free
         int taken = 0;
         for (int unit = ss.tiles.pop(taken++); unit != TileQueue::kDone;
              unit = ss.tiles.pop(taken++)) {
@@ -340,7 +340,7 @@ struct Sm90FwdMainloop {
                                    typename Traits::QPipe& q_pipe, typename Traits::KPipe& k_pipe,
                                    typename Traits::ValuesPipe& v_pipe,
                                    typename Traits::QState& q_state,
-                                   PipeState& k_state, PipeState& v_state,
+                                   PipeState& k_state, typename Traits::ValuesState& v_state,
                                    SeqInfo const& seq, int bidb, int bidh,
                                    Sm90TileGeometry const& g, AccO& acc_o,
                                    float (&lse)[kRows], cute::bool_constant<kIdle>) {
