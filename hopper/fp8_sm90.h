@@ -92,7 +92,8 @@ __forceinline__ __device__ void store_shared_u32(uint32_t addr, uint32_t v) {
 // (p + s) % (block_n / 16) and columns 4p + 32u: with 128-byte rows in 128-byte swizzle atoms
 // (d = 128 and block_n = 128), each of a warp's loads and stores then touches 32 different
 // banks. Shared-space addresses of 32 bits (a generic pointer would take two registers of
-// the producer group's few).
+// the producer group's few); unsigned coordinates, so that the layouts' divisions by their
+// atoms' extents are shifts.
 template <class LayoutV, class LayoutVt>
 __forceinline__ __device__ void transpose_value_stage(uint32_t v, int stage, uint32_t vt,
                                                       int stage_t, int warp, int warps) {
@@ -113,12 +114,15 @@ __forceinline__ __device__ void transpose_value_stage(uint32_t v, int stage, uin
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
             const int key = (col0 & ~31) | key_of_column((col0 & 31) + j);
-            w[j] = load_shared_u32(v + uint32_t(LayoutV{}(key, d0, stage)));
+            w[j] = load_shared_u32(v + uint32_t(LayoutV{}(uint32_t(key), uint32_t(d0),
+                                                          uint32_t(stage))));
         }
         transpose_bytes_4x4(w);
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) {
-            store_shared_u32(vt + uint32_t(LayoutVt{}(d0 + i, col0, stage_t)), w[i]);
+            store_shared_u32(vt + uint32_t(LayoutVt{}(uint32_t(d0 + i), uint32_t(col0),
+                                                      uint32_t(stage_t))),
+                             w[i]);
         }
     }
 }
