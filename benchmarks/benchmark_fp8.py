@@ -14,9 +14,10 @@ prints, built with FP8=1).
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+from benchmark_bwd import graph_time_ms  # this folder: the scripts run as files
 
 from flash_attn import flash_attn_func
 
@@ -29,18 +30,6 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
     return ap.parse_args(argv)
-
-
-def graph_time_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-    del graph
-    return ms
 
 
 def main(argv=None) -> int:
