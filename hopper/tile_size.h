@@ -50,9 +50,10 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
 
 // The e4m3 forward (inputs in one byte, the output in bf16): the PV GEMM's K dimension (block_n)
 // must be a multiple of 32, an e4m3 WGMMA's K, and V is read K-major, so each V stage is
-// transposed into a stage of its own (Traits::SmemLayoutVt) by the producer group's idle warps.
-// d <= 128 keep the 16-bit tiles (K, V and their transposes take 108-120 KiB). d = 160-192 take
-// block_n 128 (168 KiB at d = 192), d = 224-256 block_n 96, not 80 (176 KiB at d = 256).
+// transposed into a stage of its own (Traits::SmemLayoutVt, Traits::kVtStages stages) by the
+// producer group's idle warps. d <= 128 keep the 16-bit tiles (152 KiB at d = 128 with four
+// transposed stages). d = 160-192 take block_n 128 (216 KiB at d = 192), d = 224-256 block_n
+// 96, not 80 (200 KiB at d = 256 with three transposed stages).
 // No clusters: the transposing warps, not the consumers, release V's stages, and a release to
 // the other CTA of a pair would have to wait for both CTAs' transposes.
 constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d) {
