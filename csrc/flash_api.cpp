@@ -130,9 +130,9 @@ Dtype dtype_of(const Tensor& t, bool e4m3 = false) {
     if (t.scalar_type() == ScalarType::Half) return Dtype::kFp16;
     if (t.scalar_type() == ScalarType::BFloat16) return Dtype::kBf16;
     if (e4m3 && t.scalar_type() == ScalarType::Float8_e4m3fn) return Dtype::kE4m3;
-    throw std::runtime_error(str_of("flash_attn: expected float16 or bfloat16",
-                                    e4m3 ? " (or float8_e4m3fn)" : "", " tensors, got ",
-                                    t.scalar_type()));
+    throw std::runtime_error(str_of("flash_attn: expected float16 or bfloat16 tensors, got ",
+                                    t.scalar_type(),
+                                    e4m3 ? " (the forward also takes float8_e4m3fn)" : ""));
 }
 
 using flash::dtype_name;
