@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops, reference
+from . import _fp8, ops, reference
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
@@ -758,8 +758,14 @@ def _check_shapes(fn: str, q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
                          f"sharded evenly), got {[t.tolist() for t in every]}")
 
 
-def _unsupported(fn: str, dropout_p: float, alibi_slopes: Optional[Tensor],
-                 return_attn_probs: bool, window_size, softcap: float) -> None:
+def _unsupported(fn: str, qkv: Tuple[Tensor, Tensor, Tensor], dropout_p: float,
+                 alibi_slopes: Optional[Tensor], return_attn_probs: bool, window_size,
+                 softcap: float) -> None:
+    if any(_fp8.is_fp8(x) for x in qkv):
+        # The partial outputs would be merged and returned in the inputs' dtype, and the
+        # descales have no argument here.
+        raise NotImplementedError(f"{fn}: FP8 (float8_e4m3fn) inputs are not implemented under "
+                                  f"sharding; pass bf16/fp16 shards")
     if dropout_p != 0.0:
         raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
     if alibi_slopes is not None:
@@ -846,7 +852,8 @@ def ring_flash_attn_func(
     CPU, NCCL: CUDA).
     """
     fn = "ring_flash_attn_func"
-    _unsupported(fn, dropout_p, alibi_slopes, return_attn_probs, window_size, softcap)
+    _unsupported(fn, (q, k, v), dropout_p, alibi_slopes, return_attn_probs, window_size,
+                 softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
         out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -917,7 +924,8 @@ def ring_flash_attn_varlen_func(
     check that it is the same on every rank.
     """
     fn = "ring_flash_attn_varlen_func"
-    _unsupported(fn, dropout_p, alibi_slopes, return_attn_probs, window_size, softcap)
+    _unsupported(fn, (q, k, v), dropout_p, alibi_slopes, return_attn_probs, window_size,
+                 softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
         out, lse, _ = flash_attn_varlen_func(
