@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -42,6 +42,14 @@ def parse_args(argv=None):
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA backends")
     p.add_argument("--markdown", metavar="PATH", help="also write the table here")
     return p.parse_args(argv)
+
+
+def load_fa3(path: Optional[str]):
+    """FlashAttention-3's ops (torch.ops.flash_attn_3) from the library at `path`, or None."""
+    if not path:
+        return None
+    torch.ops.load_library(path)
+    return torch.ops.flash_attn_3
 
 
 def graph_time_ms(fn: Callable[[], None]) -> float:
@@ -120,10 +128,7 @@ def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[flo
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    fa3 = None
-    if args.fa3:
-        torch.ops.load_library(args.fa3)
-        fa3 = torch.ops.flash_attn_3
+    fa3 = load_fa3(args.fa3)
     names = ["ours"] + ([] if args.no_deterministic else ["ours-det"])
     names += ([] if args.no_sm80 else ["ours-sm80"]) + (["fa3"] if fa3 else [])
     names += [] if args.no_sdpa else ["cudnn", "sdpa-flash"]

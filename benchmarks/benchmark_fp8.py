@@ -17,7 +17,7 @@ import argparse
 from typing import Optional
 
 import torch
-from benchmark_bwd import graph_time_ms  # this folder: the scripts run as files
+from benchmark_bwd import graph_time_ms, load_fa3  # this folder: the scripts run as files
 
 from flash_attn import flash_attn_func
 
@@ -34,10 +34,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    fa3 = None
-    if args.fa3:
-        torch.ops.load_library(args.fa3)
-        fa3 = torch.ops.flash_attn_3
+    fa3 = load_fa3(args.fa3)
     e4m3 = torch.float8_e4m3fn
     print(f"# e4m3 forward, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| hdim | seqlen | causal | ours e4m3 | fa3 e4m3 | ours bf16 | e4m3 / fa3 | relerr |")

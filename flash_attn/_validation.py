@@ -595,17 +595,11 @@ def validate_qkv(
     )
 
 
-_NO_DESCALES = (None, None, None)
-
-
 def _check_fp8(fn: str, q: Tensor, v: Tensor, device_type: str, batch: int, nheads_k: int,
                headdim: int, q_descale, k_descale, v_descale, dropout_p: float, alibi_slopes,
                return_attn_probs: bool, paged: bool):
     """The descales as the op takes them ((None, None, None) for a call that is not FP8, which
     must pass none) and the FP8 rules (flash_attn/_fp8.py, check_call)."""
-    if (q.dtype not in FP8_DTYPES and q_descale is None and k_descale is None
-            and v_descale is None):
-        return _NO_DESCALES
     return _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
                            q_descale, k_descale, v_descale, dropout_p, alibi_slopes,
                            return_attn_probs, paged)

@@ -10,8 +10,6 @@
 // order, so P V sums the same products.
 #pragma once
 
-#include <cutlass/arch/barrier.h>
-
 #include <cute/tensor.hpp>
 #include <cstdint>
 

@@ -162,13 +162,11 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         _BUILT_KERNELS = {(k["kind"], k["arch"], k["dtype"], k["headdim"])
                           for k in load_extension().build_info()["kernels"]}
     tier = _tier(headdim)
-    if dtype == torch.float16:
-        dt = "fp16"
-    elif dtype == torch.bfloat16:
-        dt = "bf16"
-    else:
-        return _require_fp8_kernel(kind, tier, headdim, device)
-    if (kind, 80, dt, tier) in _BUILT_KERNELS:
+    fp8 = dtype in _fp8.FP8_DTYPES
+    dt = "e4m3" if fp8 else "fp16" if dtype == torch.float16 else "bf16"
+    if fp8:
+        _require_sm90_for_fp8(device)  # e4m3 has no SM80 kernels
+    elif (kind, 80, dt, tier) in _BUILT_KERNELS:
         return
     # Only without an SM80 kernel do the capability and FLASH_ATTN_FORCE_SM80 matter; the
     # variable is read at every call, as the binding does.
@@ -179,13 +177,14 @@ def require_kernel(kind: str, dtype: torch.dtype, headdim: int, device: torch.de
         f"flash_attn: no {'forward' if kind == 'fwd' else 'backward'} kernel was built for {dt} "
         f"head dim {headdim} (tier {tier}). Rebuild with FLASH_ATTN_HEADDIMS including {tier}, "
         f"FLASH_ATTN_DTYPES including {dt}"
+        + (" and sm_90 among the targets" if fp8 else "")
         + (" and FLASH_ATTN_DISABLE_BACKWARD unset" if kind == "bwd" else "")
         + "; `python -m flash_attn` lists what was built.")
 
 
-def _require_fp8_kernel(kind: str, tier: Optional[int], headdim: int,
-                        device: torch.device) -> None:
-    """require_kernel for FP8 (e4m3): an SM90 kernel on a compute capability 9.0 GPU."""
+def _require_sm90_for_fp8(device: torch.device) -> None:
+    """FP8 (e4m3) runs on the SM90 kernels only: a compute capability 9.0 GPU, and not under
+    FLASH_ATTN_FORCE_SM80=1."""
     cap = _capability(device)
     if cap != (9, 0):
         raise NotImplementedError(
@@ -198,13 +197,6 @@ def _require_fp8_kernel(kind: str, tier: Optional[int], headdim: int,
             "flash_attn: FP8 (float8_e4m3fn) attention runs on the SM90 kernels only, and "
             "FLASH_ATTN_FORCE_SM80=1 selects the SM80 kernels; unset it for FP8 inputs"
         )
-    if (kind, 90, "e4m3", tier) in _BUILT_KERNELS:
-        return
-    raise NotImplementedError(
-        f"flash_attn: no {'forward' if kind == 'fwd' else 'backward'} kernel was built for "
-        f"e4m3 head dim {headdim} (tier {tier}). Rebuild with FLASH_ATTN_HEADDIMS including "
-        f"{tier}, FLASH_ATTN_DTYPES including e4m3 and sm_90 among the targets; "
-        f"`python -m flash_attn` lists what was built.")
 
 
 def _lse_shape(q: Tensor, cu_seqlens_q: Optional[Tensor]):
@@ -683,9 +675,8 @@ def flash_attn_fwd(
                                                              rng_state, q_descale, k_descale,
                                                              v_descale):
         return _fwd_op(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (sink is not None and sink.requires_grad)
-                                    or _requires_grad(q_descale, k_descale, v_descale)):
+    if torch.is_grad_enabled() and _requires_grad(q, k, v, sink, q_descale, k_descale,
+                                                  v_descale):
         return _FlashAttnFunc.apply(*args)
     return _fwd_impl(*args)
 
