@@ -60,68 +60,100 @@ __forceinline__ __device__ auto p_as_e4m3_operand(Acc const& acc) {
     return p;
 }
 
-// Byte j of word i of the result is byte i of w[j]: a 4 x 4 byte transpose.
-__forceinline__ __device__ void transpose_bytes_4x4(uint32_t (&w)[4]) {
-    const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140);
-    const uint32_t t1 = __byte_perm(w[2], w[3], 0x5140);
-    const uint32_t t2 = __byte_perm(w[0], w[1], 0x7362);
-    const uint32_t t3 = __byte_perm(w[2], w[3], 0x7362);
-    w[0] = __byte_perm(t0, t1, 0x5410);
-    w[1] = __byte_perm(t0, t1, 0x7632);
-    w[2] = __byte_perm(t2, t3, 0x5410);
-    w[3] = __byte_perm(t2, t3, 0x7632);
+// The transpose moves 16 x 32-byte blocks (16 columns of d, 32 keys) with one ldmatrix and one
+// stmatrix.trans per warp. The ldmatrix's four 8 x 16-byte matrices are rows of keys (16 bytes
+// of d each); lane (r = lane / 4, q = lane % 4) receives bytes 4q..4q+3 of row r of each. Its
+// four words then hold columns 2r, 2r + 1, 16 + 2r and 17 + 2r of the V^T block (in key order
+// key_of_column), one word per column, for d rows 4q..4q+3. The stmatrix.trans writes 16-bit
+// pairs: word o of lane (r, q) lands in rows 2q and 2q + 1 of matrix o, bytes 2r and 2r + 1 of
+// both; so each output word pairs two neighbouring columns for two d rows, by one byte
+// permute. Which rows each matrix gets is chosen so that both instructions touch the 32 banks
+// once per 8-row phase: a matrix's 8 rows (keys on the way in, d rows on the way out) differ
+// mod 8.
+
+// The 32-key block's column that lane `lane`'s row of the ldmatrix addresses (matrix i = lane /
+// 8, row j = lane % 8): matrix i takes the column pair 16 (i / 2) + 2j and of it the column of
+// parity (i ^ j) & 1. The keys of one matrix then differ mod 8.
+__host__ __device__ constexpr int transpose_load_column(int lane) {
+    const int i = lane / 8, j = lane % 8;
+    return 16 * (i / 2) + 2 * j + ((i ^ j) & 1);
 }
 
-__forceinline__ __device__ uint32_t load_shared_u32(uint32_t addr) {
-    uint32_t v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
+// The d row (0..15) of the block that lane `lane`'s row of the stmatrix addresses (matrix o =
+// lane / 8, row j = lane % 8; its 16 bytes are columns 16 (o / 2)..+15). Rows 2q, 2q + 1 of a
+// matrix come from lane q's d rows 4q..4q+3: matrix parity m takes the pair 2 (m ^ (q / 2)),
+// so that a matrix holds d rows {0,1,4,5,10,11,14,15} or {2,3,6,7,8,9,12,13}, 8 residues mod 8.
+__host__ __device__ constexpr int transpose_store_row(int lane) {
+    const int o = lane / 8, j = lane % 8, q = j / 2;
+    return 4 * q + 2 * ((o & 1) ^ (q / 2)) + (j & 1);
 }
 
-__forceinline__ __device__ void store_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+// The __byte_perm selector of lane `lane` that builds output word 2h + m from its input words
+// 2h (x) and 2h + 1 (y): bytes (column 2r row p, column 2r + 1 row p, column 2r row p + 1,
+// column 2r + 1 row p + 1), p = 2 (m ^ (q / 2)). Input word 2h holds column 2r when r is even.
+__host__ __device__ constexpr uint32_t transpose_selector(int lane, int m) {
+    const int r = lane / 4, q = lane % 4;
+    const uint32_t p = 2u * uint32_t(m ^ (q / 2));
+    const uint32_t even = 0u, odd = 4u;  // byte offsets of the words of columns 2r, 2r + 1
+    const uint32_t a = (r & 1) ? odd : even, b = (r & 1) ? even : odd;
+    return (a + p) | ((b + p) << 4) | ((a + p + 1) << 8) | ((b + p + 1) << 12);
+}
+
+__forceinline__ __device__ void load_matrix_x4(uint32_t addr, uint32_t (&w)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(addr));
+}
+
+__forceinline__ __device__ void store_matrix_x4_trans(uint32_t addr, uint32_t const (&w)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
 }
 
 // Writes stage `stage` of V (layout LayoutV: block_n keys x d x stages, K-major, at shared
 // address v) transposed into stage `stage_t` of V^T (LayoutVt: d x block_n x stages, block_n
-// contiguous, keys in key_of_column order, at vt), run by `warps` warps, this one `warp`. A lane
-// moves 4 keys x 4 columns of d per item: four 4-byte loads, a byte transpose, four 4-byte
-// stores. Lane (p = lane / 4, q = lane % 4) of item (s, u) takes keys from the 16-key group
-// (p + s) % (block_n / 16) and columns 4p + 32u: with 128-byte rows in 128-byte swizzle atoms
-// (d = 128 and block_n = 128), each of a warp's loads and stores then touches 32 different
-// banks. Shared-space addresses of 32 bits (a generic pointer would take two registers of
-// the producer group's few); unsigned coordinates, so that the layouts' divisions by their
-// atoms' extents are shifts.
+// contiguous, keys in key_of_column order, at vt), run by `warps` warps, this one `warp`, two
+// 16 x 32-byte blocks in flight per warp. Shared-space addresses of 32 bits (a generic pointer
+// would take two registers of the producer group's few); unsigned coordinates, so that the
+// layouts' divisions by their atoms' extents are shifts.
 template <class LayoutV, class LayoutVt>
 __forceinline__ __device__ void transpose_value_stage(uint32_t v, int stage, uint32_t vt,
                                                       int stage_t, int warp, int warps) {
     constexpr int kBlockN = decltype(size<0>(LayoutV{}))::value;
     constexpr int kD = decltype(size<1>(LayoutV{}))::value;
-    static_assert(kBlockN % 32 == 0 && kD % 32 == 0);
-    constexpr int kGroups = kBlockN / 16;
-    constexpr int kItems = kGroups * (kD / 32);
+    static_assert(kBlockN % 32 == 0 && kD % 16 == 0);
+    constexpr int kKeyBlocks = kBlockN / 32;
+    constexpr int kItems = kKeyBlocks * (kD / 16);
     const int lane = int(threadIdx.x % 32);
-    const int p = lane / 4;
-    const int q = lane % 4;
-    for (int item = warp; item < kItems; item += warps) {
-        const int s = item % kGroups;
-        const int u = item / kGroups;
-        const int col0 = 16 * ((p + s) % kGroups) + 4 * q;  // V^T columns col0..col0 + 3
-        const int d0 = 4 * p + 32 * u;                      // V's columns d0..d0 + 3
-        uint32_t w[4];
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-            const int key = (col0 & ~31) | key_of_column((col0 & 31) + j);
-            w[j] = load_shared_u32(v + uint32_t(LayoutV{}(uint32_t(key), uint32_t(d0),
-                                                          uint32_t(stage))));
-        }
-        transpose_bytes_4x4(w);
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-            store_shared_u32(vt + uint32_t(LayoutVt{}(uint32_t(d0 + i), uint32_t(col0),
-                                                      uint32_t(stage_t))),
-                             w[i]);
-        }
+    const uint32_t key = uint32_t(key_of_column(transpose_load_column(lane)));
+    const uint32_t row = uint32_t(transpose_store_row(lane));
+    const uint32_t col = 16u * uint32_t(lane / 16);
+    const uint32_t sel0 = transpose_selector(lane, 0);
+    const uint32_t sel1 = transpose_selector(lane, 1);
+    auto load = [&](int item, uint32_t (&w)[4]) {
+        const uint32_t kb = uint32_t(item % kKeyBlocks), dc = uint32_t(item / kKeyBlocks);
+        load_matrix_x4(v + uint32_t(LayoutV{}(32u * kb + key, 16u * dc, uint32_t(stage))), w);
+    };
+    auto store = [&](int item, uint32_t const (&w)[4]) {
+        const uint32_t kb = uint32_t(item % kKeyBlocks), dc = uint32_t(item / kKeyBlocks);
+        const uint32_t out[4] = {__byte_perm(w[0], w[1], sel0), __byte_perm(w[0], w[1], sel1),
+                                 __byte_perm(w[2], w[3], sel0), __byte_perm(w[2], w[3], sel1)};
+        store_matrix_x4_trans(
+            vt + uint32_t(LayoutVt{}(16u * dc + row, 32u * kb + col, uint32_t(stage_t))), out);
+    };
+    int item = warp;
+    for (; item + warps < kItems; item += 2 * warps) {
+        uint32_t a[4], b[4];
+        load(item, a);
+        load(item + warps, b);
+        store(item, a);
+        store(item + warps, b);
+    }
+    if (item < kItems) {
+        uint32_t a[4];
+        load(item, a);
+        store(item, a);
     }
 }
 

@@ -75,11 +75,13 @@ struct Sm90FwdTraits {
     // not the consumers, read (and release) the TMA's V stages.
     static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
-    // setmaxnreg: the producer only issues TMA; the consumers hold S, P and O.
-    // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
-    // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
-    // the consumers' increase wait forever: a producer at 32 hung the d=128 kernels.
-    static constexpr int kProducerRegs = 24;
+    // setmaxnreg: the producer only issues TMA (e4m3: and transposes V, which spilled at 24
+    // registers; with three consumer groups the 512 threads' 65536 registers leave it 32); the
+    // consumers hold S, P and O. setmaxnreg only moves registers within the CTA's launch
+    // allocation (65536 per SM over kThreads, in steps of 8 per thread: 168 at 384 threads). A
+    // split that needs more makes the consumers' increase wait forever: a producer at 32 hung
+    // the two-group d=128 kernels.
+    static constexpr int kProducerRegs = kFp8 && kConsumerWarpGroups == 3 ? 32 : 24;
     static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? 240 : 160;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
