@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hdims", default="64,128,256")
     p.add_argument("--seqlens", default="512,2048,8192")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "e4m3"], default="bf16",
+                   help="e4m3: the forward on inputs cast from bf16, no descales")
     p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
     p.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--deterministic", action="store_true", help="bwd: deterministic=True")
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                              "FLASH_ATTN_AB_BUILD=1, else every build runs the first one's kernels")
         builds[name] = load_build(name, path)
     names = list(builds)
+    if args.dtype == "e4m3" and args.which != "fwd":
+        raise SystemExit("ab_builds: e4m3 has a forward only")
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
 
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             batch, heads = max(1, 16384 // s), 2048 // d
             q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
                        for _ in range(3))
+            if args.dtype == "e4m3":
+                q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             slopes = None
             if args.alibi:
                 slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)],

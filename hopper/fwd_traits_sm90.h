@@ -81,8 +81,8 @@ struct Sm90FwdTraits {
     // allocation (65536 per SM over kThreads, in steps of 8 per thread: 168 at 384 threads). A
     // split that needs more makes the consumers' increase wait forever: a producer at 32 hung
     // the two-group d=128 kernels.
-    static constexpr int kProducerRegs = kFp8 && kConsumerWarpGroups == 3 ? 32 : 24;
-    static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? 240 : 160;
+    static constexpr int kProducerRegs = !kFp8 ? 24 : kConsumerWarpGroups == 3 ? 32 : 40;
+    static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? (kFp8 ? 232 : 240) : 160;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
     static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
