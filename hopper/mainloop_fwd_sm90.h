@@ -271,8 +271,9 @@ struct Sm90FwdMainloop {
             for (int n = g.n_first; n < g.n_last; ++n) {
                 v_pipe.consumer_wait(v_state);
                 vt_pipe.producer_acquire(vt_state);
-                transpose_value_stage<typename Traits::SmemLayoutKV, typename Traits::SmemLayoutVt>(
-                    v, v_state.index(), vt, vt_state.index(), warp, Traits::kTransposeWarps);
+                transpose_value_stage<Traits::kTransposeWarps, typename Traits::SmemLayoutKV,
+                                      typename Traits::SmemLayoutVt>(v, v_state.index(), vt,
+                                                                     vt_state.index(), warp);
                 v_pipe.consumer_release(v_state);
                 vt_pipe.producer_commit(vt_state);
                 ++v_state;
