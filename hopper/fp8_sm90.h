@@ -111,58 +111,88 @@ __forceinline__ __device__ void store_matrix_x4_trans(uint32_t addr, uint32_t co
                  : "memory");
 }
 
-// Writes stage `stage` of V (layout LayoutV: block_n keys x d x stages, K-major, at shared
-// address v) transposed into stage `stage_t` of V^T (LayoutVt: d x block_n x stages, block_n
-// contiguous, keys in key_of_column order, at vt), run by kWarps warps, this one `warp`.
-// The warps share units of kGroup blocks (one 32-key block, kGroup 16-column chunks of d
-// inside one swizzle atom); each unit's two addresses are computed once. Within a unit the V
-// address of chunk j is the first one with j XORed into its chunk field (V's swizzle permutes
-// the 16-byte chunks of an atom's row by its row bits only), and the V^T address moves by 16
-// rows, whole swizzle atoms, a constant: the loop takes one instruction of address math per
-// block, not the ~30 of evaluating both layouts. Shared-space addresses of 32 bits (a generic
-// pointer would take two registers of the producer group's few).
+// Transposes stages of V (layout LayoutV: block_n keys x d x stages, K-major, at shared address
+// v) into stages of V^T (LayoutVt: d x block_n x stages, block_n contiguous, keys in
+// key_of_column order, at vt); one of kWarps warps, this one `warp`. The warps share units of
+// kGroup blocks (one 32-key block, kGroup 16-column chunks of d inside one swizzle atom). A
+// warp's units and their addresses in stage 0 are fixed, so they are computed once; a stage
+// adds a constant to both. Within a unit the V address of chunk j is the first one with j
+// XORed into its chunk field (V's swizzle permutes the 16-byte chunks of an atom's row by its
+// row bits only), and the V^T address moves by 16 rows, whole swizzle atoms, a constant: a
+// block then costs one instruction of address math. Shared-space addresses of 32 bits (a
+// generic pointer would take two registers of the producer group's few).
 template <int kWarps, class LayoutV, class LayoutVt>
-__forceinline__ __device__ void transpose_value_stage(uint32_t v, int stage, uint32_t vt,
-                                                      int stage_t, int warp) {
-    constexpr int kBlockN = decltype(size<0>(LayoutV{}))::value;
-    constexpr int kD = decltype(size<1>(LayoutV{}))::value;
+class ValueTransposer {
+    static constexpr int kBlockN = decltype(size<0>(LayoutV{}))::value;
+    static constexpr int kD = decltype(size<1>(LayoutV{}))::value;
     static_assert(kBlockN % 32 == 0 && kD % 32 == 0);
     // 16-byte chunks in a row of V's swizzle atom (ss_smem_selector: 128, 64 or 32 bytes).
-    constexpr int kAtomChunks = kD % 128 == 0 ? 8 : kD % 64 == 0 ? 4 : 2;
-    constexpr int kKeyBlocks = kBlockN / 32;
+    static constexpr int kAtomChunks = kD % 128 == 0 ? 8 : kD % 64 == 0 ? 4 : 2;
+    static constexpr int kKeyBlocks = kBlockN / 32;
+    static constexpr int busiest(int group) {
+        return (kKeyBlocks * kD / 16 / group + kWarps - 1) / kWarps * group;
+    }
     // Units of four blocks where the atom has them and the busiest warp gets no more blocks
     // than with units of two.
-    constexpr auto busiest = [](int group) {
-        return (kKeyBlocks * kD / 16 / group + kWarps - 1) / kWarps * group;
-    };
-    constexpr int kGroup = kAtomChunks >= 4 && busiest(4) <= busiest(2) ? 4 : 2;
-    constexpr int kUnits = kKeyBlocks * (kD / 16 / kGroup);
-    constexpr uint32_t kRowStep = uint32_t(LayoutVt{}(16, 0, 0) - LayoutVt{}(0, 0, 0));
-    const int lane = int(threadIdx.x % 32);
-    const uint32_t key = uint32_t(key_of_column(transpose_load_column(lane)));
-    const uint32_t row = uint32_t(transpose_store_row(lane));
-    const uint32_t col = 16u * uint32_t(lane / 16);
-    const uint32_t sel0 = transpose_selector(lane, 0);
-    const uint32_t sel1 = transpose_selector(lane, 1);
-    for (int unit = warp; unit < kUnits; unit += kWarps) {
-        const uint32_t kb = uint32_t(unit % kKeyBlocks);
-        const uint32_t dc = uint32_t(unit / kKeyBlocks) * kGroup;
-        const uint32_t ld = v + uint32_t(LayoutV{}(32u * kb + key, 16u * dc, uint32_t(stage)));
-        const uint32_t st =
-            vt + uint32_t(LayoutVt{}(16u * dc + row, 32u * kb + col, uint32_t(stage_t)));
+    static constexpr int kGroup = kAtomChunks >= 4 && busiest(4) <= busiest(2) ? 4 : 2;
+    static constexpr int kUnits = kKeyBlocks * (kD / 16 / kGroup);
+    static constexpr int kUnitsPerWarp = (kUnits + kWarps - 1) / kWarps;
+    static constexpr uint32_t kRowStep = uint32_t(LayoutVt{}(16, 0, 0) - LayoutVt{}(0, 0, 0));
+    static constexpr uint32_t kStageV = uint32_t(LayoutV{}(0, 0, 1) - LayoutV{}(0, 0, 0));
+    static constexpr uint32_t kStageVt = uint32_t(LayoutVt{}(0, 0, 1) - LayoutVt{}(0, 0, 0));
+
+  public:
+    __device__ ValueTransposer(uint32_t v, uint32_t vt, int warp) {
+        const int lane = int(threadIdx.x % 32);
+        const uint32_t key = uint32_t(key_of_column(transpose_load_column(lane)));
+        const uint32_t row = uint32_t(transpose_store_row(lane));
+        const uint32_t col = 16u * uint32_t(lane / 16);
+        sel0_ = transpose_selector(lane, 0);
+        sel1_ = transpose_selector(lane, 1);
+        units_ = (kUnits - warp + kWarps - 1) / kWarps;
         CUTE_UNROLL
-        for (int j = 0; j < kGroup; j += 2) {
-            uint32_t a[4], b[4];
-            load_matrix_x4(ld ^ (uint32_t(j) << 4), a);
-            load_matrix_x4(ld ^ (uint32_t(j + 1) << 4), b);
-            store_matrix_x4_trans(st + uint32_t(j) * kRowStep,
-                                  {__byte_perm(a[0], a[1], sel0), __byte_perm(a[0], a[1], sel1),
-                                   __byte_perm(a[2], a[3], sel0), __byte_perm(a[2], a[3], sel1)});
-            store_matrix_x4_trans(st + uint32_t(j + 1) * kRowStep,
-                                  {__byte_perm(b[0], b[1], sel0), __byte_perm(b[0], b[1], sel1),
-                                   __byte_perm(b[2], b[3], sel0), __byte_perm(b[2], b[3], sel1)});
+        for (int u = 0; u < kUnitsPerWarp; ++u) {
+            const int unit = warp + u * kWarps;
+            const uint32_t kb = uint32_t(unit % kKeyBlocks);
+            const uint32_t dc = uint32_t(unit / kKeyBlocks) * kGroup;
+            load_[u] = v + uint32_t(LayoutV{}(32u * kb + key, 16u * dc, 0u));
+            store_[u] = vt + uint32_t(LayoutVt{}(16u * dc + row, 32u * kb + col, 0u));
         }
     }
-}
+
+    __device__ void operator()(int stage, int stage_t) const {
+        const uint32_t v_offset = uint32_t(stage) * kStageV;
+        const uint32_t vt_offset = uint32_t(stage_t) * kStageVt;
+        CUTE_UNROLL
+        for (int u = 0; u < kUnitsPerWarp; ++u) {
+            if (u < units_) {
+                const uint32_t ld = load_[u] + v_offset;
+                const uint32_t st = store_[u] + vt_offset;
+                CUTE_UNROLL
+                for (int j = 0; j < kGroup; j += 2) {
+                    uint32_t a[4], b[4];
+                    load_matrix_x4(ld ^ (uint32_t(j) << 4), a);
+                    load_matrix_x4(ld ^ (uint32_t(j + 1) << 4), b);
+                    store_matrix_x4_trans(st + uint32_t(j) * kRowStep, interleave(a).w);
+                    store_matrix_x4_trans(st + uint32_t(j + 1) * kRowStep, interleave(b).w);
+                }
+            }
+        }
+    }
+
+  private:
+    struct Words {
+        uint32_t w[4];
+    };
+    __device__ Words interleave(uint32_t const (&a)[4]) const {
+        return {{__byte_perm(a[0], a[1], sel0_), __byte_perm(a[0], a[1], sel1_),
+                 __byte_perm(a[2], a[3], sel0_), __byte_perm(a[2], a[3], sel1_)}};
+    }
+
+    uint32_t load_[kUnitsPerWarp];
+    uint32_t store_[kUnitsPerWarp];
+    uint32_t sel0_, sel1_;
+    int units_;
+};
 
 }  // namespace flash

@@ -259,8 +259,10 @@ struct Sm90FwdMainloop {
                                             typename Traits::VtPipe& vt_pipe,
                                             typename Traits::Scheduler const& sched, int warp) {
         static_assert(Traits::kFp8);
-        const uint32_t v = cute::cast_smem_ptr_to_uint(ss.v.data());
-        const uint32_t vt = cute::cast_smem_ptr_to_uint(ss.vt.data());
+        const ValueTransposer<Traits::kTransposeWarps, typename Traits::SmemLayoutKV,
+                              typename Traits::SmemLayoutVt>
+            transpose(cute::cast_smem_ptr_to_uint(ss.v.data()),
+                      cute::cast_smem_ptr_to_uint(ss.vt.data()), warp);
         PipeState v_state;
         typename Traits::ValuesState vt_state(0, 1, 0);  // a producer's start: all stages free
         int taken = 0;
@@ -271,9 +273,7 @@ struct Sm90FwdMainloop {
             for (int n = g.n_first; n < g.n_last; ++n) {
                 v_pipe.consumer_wait(v_state);
                 vt_pipe.producer_acquire(vt_state);
-                transpose_value_stage<Traits::kTransposeWarps, typename Traits::SmemLayoutKV,
-                                      typename Traits::SmemLayoutVt>(v, v_state.index(), vt,
-                                                                     vt_state.index(), warp);
+                transpose(v_state.index(), vt_state.index());
                 v_pipe.consumer_release(v_state);
                 vt_pipe.producer_commit(vt_state);
                 ++v_state;
