@@ -48,10 +48,9 @@ struct Sm90FwdTraits {
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
-    // e4m3: stages of transposed V. The transposing warps may write a stage only once all
-    // consumer groups' PV GEMMs have read it, and with as few stages as V's each transpose sat
-    // between one group's release and the next step's wait (d = 128: 331-355 TFLOP/s, 795-858
-    // with the transpose left out, H100, 2026-11-28); more stages let it run ahead.
+    // e4m3: stages of transposed V, more than V's: the transposing warps may write a stage only
+    // once every consumer group's PV GEMM has read it, and extra stages let them run ahead of
+    // the slowest group.
     static constexpr int kVtStages = kFp8 ? (kHeadDim <= 192 ? 4 : 3) : kStages;
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;

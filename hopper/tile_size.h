@@ -52,8 +52,11 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
 // must be a multiple of 32, an e4m3 WGMMA's K, and V is read K-major, so each V stage is
 // transposed into a stage of its own (Traits::SmemLayoutVt, Traits::kVtStages stages) by the
 // producer group's idle warps. d <= 128 keep the 16-bit tiles (152 KiB at d = 128 with four
-// transposed stages). d = 160-192 take block_n 128 (216 KiB at d = 192), d = 224-256 block_n
-// 96, not 80 (200 KiB at d = 256 with three transposed stages).
+// transposed stages): against them (H100, 2026-11-28) d64 192 x 160 lost 1-12% at 1k-2k
+// (level at 8k), and d128 on two groups with overlap, 128 x 192 or 128 x 224, lost 9-26%.
+// d = 160-192 take block_n 128 (216 KiB at d = 192), d = 224-256 block_n 96, not 80 (200 KiB
+// at d = 256 with three transposed stages; 128 does not fit beside them), without overlap
+// (with it -4..+1%).
 // No clusters: the transposing warps, not the consumers, release V's stages, and a release to
 // the other CTA of a pair would have to wait for both CTAs' transposes.
 constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d) {
