@@ -126,8 +126,13 @@ class ValueTransposer {
     static constexpr int kBlockN = decltype(size<0>(LayoutV{}))::value;
     static constexpr int kD = decltype(size<1>(LayoutV{}))::value;
     static_assert(kBlockN % 32 == 0 && kD % 32 == 0);
-    // 16-byte chunks in a row of V's swizzle atom (ss_smem_selector: 128, 64 or 32 bytes).
+
+  public:
+    // 16-byte chunks in a row of V's swizzle atom (ss_smem_selector: 128, 64 or 32 bytes);
+    // tests/cpp/fp8_transpose_sm90.cu checks the address steps against the layouts.
     static constexpr int kAtomChunks = kD % 128 == 0 ? 8 : kD % 64 == 0 ? 4 : 2;
+
+  private:
     static constexpr int kKeyBlocks = kBlockN / 32;
     static constexpr int busiest(int group) {
         return (kKeyBlocks * kD / 16 / group + kWarps - 1) / kWarps * group;
