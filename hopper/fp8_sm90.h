@@ -60,7 +60,7 @@ __forceinline__ __device__ auto p_as_e4m3_operand(Acc const& acc) {
     return p;
 }
 
-// The transpose moves 16 x 32-byte blocks (16 columns of d, 32 keys) with one ldmatrix and one
+// The transpose moves blocks of 32 keys x 16 columns of d (512 bytes) with one ldmatrix and one
 // stmatrix.trans per warp. The ldmatrix's four 8 x 16-byte matrices are rows of keys (16 bytes
 // of d each); lane (r = lane / 4, q = lane % 4) receives bytes 4q..4q+3 of row r of each. Its
 // four words then hold columns 2r, 2r + 1, 16 + 2r and 17 + 2r of the V^T block (in key order
@@ -118,7 +118,8 @@ __forceinline__ __device__ void store_matrix_x4_trans(uint32_t addr, uint32_t co
 // warp's units and their addresses in stage 0 are fixed, so they are computed once; a stage
 // adds a constant to both. Within a unit the V address of chunk j is the first one with j
 // XORed into its chunk field (V's swizzle permutes the 16-byte chunks of an atom's row by its
-// row bits only), and the V^T address moves by 16 rows, whole swizzle atoms, a constant: a
+// row bits only; v and the stage size are multiples of the atom, so the field is the
+// layout's), and the V^T address moves by 16 rows, whole swizzle atoms, a constant: a
 // block then costs one instruction of address math. Shared-space addresses of 32 bits (a
 // generic pointer would take two registers of the producer group's few).
 template <int kWarps, class LayoutV, class LayoutVt>
