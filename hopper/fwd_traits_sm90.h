@@ -75,11 +75,12 @@ struct Sm90FwdTraits {
     static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
     // setmaxnreg: the producer only issues TMA (e4m3: and transposes V, which spilled at 24
-    // registers; with three consumer groups the 512 threads' 65536 registers leave it 32); the
-    // consumers hold S, P and O. setmaxnreg only moves registers within the CTA's launch
-    // allocation (65536 per SM over kThreads, in steps of 8 per thread: 168 at 384 threads). A
-    // split that needs more makes the consumers' increase wait forever: a producer at 32 hung
-    // the two-group d=128 kernels.
+    // registers: with three consumer groups the 512 threads' 65536 registers leave it 32, with
+    // two it takes 40 and the consumers 232, d256 +16-19%); the consumers hold S, P and O.
+    // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
+    // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
+    // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
+    // d=128 kernels.
     static constexpr int kProducerRegs = !kFp8 ? 24 : kConsumerWarpGroups == 3 ? 32 : 40;
     static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? (kFp8 ? 232 : 240) : 160;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
