@@ -64,7 +64,8 @@ __forceinline__ __device__ auto p_as_e4m3_operand(Acc const& acc) {
 // stmatrix.trans per warp. The ldmatrix's four 8 x 16-byte matrices are rows of keys (16 bytes
 // of d each); lane (r = lane / 4, q = lane % 4) receives bytes 4q..4q+3 of row r of each. Its
 // four words then hold columns 2r, 2r + 1, 16 + 2r and 17 + 2r of the V^T block (in key order
-// key_of_column), one word per column, for d rows 4q..4q+3. The stmatrix.trans writes 16-bit
+// key_of_column; for odd r each pair comes in the other order), one word per column, for d
+// rows 4q..4q+3. The stmatrix.trans writes 16-bit
 // pairs: word o of lane (r, q) lands in rows 2q and 2q + 1 of matrix o, bytes 2r and 2r + 1 of
 // both; so each output word pairs two neighbouring columns for two d rows, by one byte
 // permute. Which rows each matrix gets is chosen so that both instructions touch the 32 banks
@@ -81,8 +82,9 @@ __host__ __device__ constexpr int transpose_load_column(int lane) {
 
 // The d row (0..15) of the block that lane `lane`'s row of the stmatrix addresses (matrix o =
 // lane / 8, row j = lane % 8; its 16 bytes are columns 16 (o / 2)..+15). Rows 2q, 2q + 1 of a
-// matrix come from lane q's d rows 4q..4q+3: matrix parity m takes the pair 2 (m ^ (q / 2)),
-// so that a matrix holds d rows {0,1,4,5,10,11,14,15} or {2,3,6,7,8,9,12,13}, 8 residues mod 8.
+// matrix come from the lanes with lane % 4 = q, which hold d rows 4q..4q+3: matrix parity m
+// takes the pair 2 (m ^ (q / 2)), so that a matrix holds d rows {0,1,4,5,10,11,14,15} or
+// {2,3,6,7,8,9,12,13}, 8 residues mod 8.
 __host__ __device__ constexpr int transpose_store_row(int lane) {
     const int o = lane / 8, j = lane % 8, q = j / 2;
     return 4 * q + 2 * ((o & 1) ^ (q / 2)) + (j & 1);
@@ -94,8 +96,9 @@ __host__ __device__ constexpr int transpose_store_row(int lane) {
 __host__ __device__ constexpr uint32_t transpose_selector(int lane, int m) {
     const int r = lane / 4, q = lane % 4;
     const uint32_t p = 2u * uint32_t(m ^ (q / 2));
-    const uint32_t even = 0u, odd = 4u;  // byte offsets of the words of columns 2r, 2r + 1
-    const uint32_t a = (r & 1) ? odd : even, b = (r & 1) ? even : odd;
+    const uint32_t x = 0u, y = 4u;  // __byte_perm's byte offsets of its two words
+    // The offsets of the words of columns 2r (a) and 2r + 1 (b).
+    const uint32_t a = (r & 1) ? y : x, b = (r & 1) ? x : y;
     return (a + p) | ((b + p) << 4) | ((a + p + 1) << 8) | ((b + p + 1) << 12);
 }
 
@@ -146,6 +149,8 @@ class ValueTransposer {
     static constexpr uint32_t kRowStep = uint32_t(LayoutVt{}(16, 0, 0) - LayoutVt{}(0, 0, 0));
     static constexpr uint32_t kStageV = uint32_t(LayoutV{}(0, 0, 1) - LayoutV{}(0, 0, 0));
     static constexpr uint32_t kStageVt = uint32_t(LayoutVt{}(0, 0, 1) - LayoutVt{}(0, 0, 0));
+    // The XOR into the address's chunk field needs v and every stage on whole swizzle atoms.
+    static_assert(kStageV % 1024 == 0 && kStageVt % 1024 == 0);
 
   public:
     __device__ ValueTransposer(uint32_t v, uint32_t vt, int warp) {

@@ -48,9 +48,9 @@ struct Sm90FwdTraits {
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
-    // e4m3: stages of transposed V, more than V's: the transposing warps may write a stage only
-    // once every consumer group's PV GEMM has read it, and extra stages let them run ahead of
-    // the slowest group.
+    // e4m3: stages of transposed V, as many as fit up to 4: the transposing warps may write a
+    // stage only once every consumer group's PV GEMM has read it, and more stages let them run
+    // ahead of the slowest group.
     static constexpr int kVtStages = kFp8 ? (kHeadDim <= 192 ? 4 : 3) : kStages;
     static constexpr int kConsumerWarpGroups = kTile.consumer_warpgroups;
     static constexpr bool kPingPong = kTile.pingpong;
@@ -76,7 +76,8 @@ struct Sm90FwdTraits {
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
     // setmaxnreg: the producer only issues TMA (e4m3: and transposes V, which spilled at 24
     // registers: with three consumer groups the 512 threads' 65536 registers leave it 32, with
-    // two it takes 40 and the consumers 232, d256 +16-19%); the consumers hold S, P and O.
+    // two it takes 40 and the consumers 232: d256 +16-19% against 24 and 240); the consumers
+    // hold S, P and O.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
     // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
