@@ -669,7 +669,8 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     FA_CHECK(sm_margin >= 0, "flash_attn: sm_margin must be >= 0, got ", sm_margin);
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
-    const bool e4m3 = dtype_of(q_in, true) == Dtype::kE4m3;
+    const Dtype dtype = dtype_of(q_in, /*e4m3=*/true);
+    const bool e4m3 = dtype == Dtype::kE4m3;
     check_e4m3(e4m3, q_in, pb, {q_descale, k_descale, v_descale}, block_table, alibi_slopes,
                leftpad_k, dropout_p);
     if (sink.has_value()) {
@@ -696,7 +697,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     const bool sm90_ok =
         dropout_p <= 0.0 &&
         (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
-    const auto& entry = find_kernel(Kind::kFwd, dtype_of(q, true), pb.headdim, sm90_ok);
+    const auto& entry = find_kernel(Kind::kFwd, dtype, pb.headdim, sm90_ok);
     check_grid(pb);
 
     Tensor out = e4m3 ? empty_on(q, q.sizes(), ScalarType::BFloat16) : empty_on(q, q.sizes());

@@ -582,8 +582,9 @@ def validate_qkv(
         deterministic, return_attn_probs,
     )
     batch = q.shape[0]
-    descales = _check_fp8(fn, q, v, device_type, batch, nheads_k, headdim, q_descale,
-                          k_descale, v_descale, drop, alibi_slopes, return_attn_probs, False)
+    descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
+                               q_descale, k_descale, v_descale, drop, alibi_slopes,
+                               return_attn_probs, False)
     return AttnArgs(
         varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
@@ -593,16 +594,6 @@ def validate_qkv(
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads), dropout_p=drop,
         q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
     )
-
-
-def _check_fp8(fn: str, q: Tensor, v: Tensor, device_type: str, batch: int, nheads_k: int,
-               headdim: int, q_descale, k_descale, v_descale, dropout_p: float, alibi_slopes,
-               return_attn_probs: bool, paged: bool):
-    """The descales as the op takes them ((None, None, None) for a call that is not FP8, which
-    must pass none) and the FP8 rules (flash_attn/_fp8.py, check_call)."""
-    return _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
-                           q_descale, k_descale, v_descale, dropout_p, alibi_slopes,
-                           return_attn_probs, paged)
 
 
 def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, n: int):
@@ -694,8 +685,9 @@ def validate_varlen_qkv(
         fn, device_type, headdim, dropout_p, softmax_scale, causal, window_size, softcap,
         deterministic, return_attn_probs,
     )
-    descales = _check_fp8(fn, q, v, device_type, batch, nheads_k, headdim, q_descale,
-                          k_descale, v_descale, drop, alibi_slopes, return_attn_probs, paged)
+    descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
+                               q_descale, k_descale, v_descale, drop, alibi_slopes,
+                               return_attn_probs, paged)
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
         _check_cu_seqlens_values(fn, cq, cu_seqlens_q, q.shape[0], nq, "total_q", max_names[0],
