@@ -25,15 +25,21 @@ __host__ __device__ constexpr int column_of_key(int k) {
     return (k & 16) | (((k >> 1) & 3) << 2) | (((k >> 3) & 1) << 1) | (k & 1);
 }
 
-// Two floats to two e4m3 bytes (lo in the low byte), rounded to nearest and saturated.
-__forceinline__ __device__ uint32_t e4m3x2(float lo, float hi) {
-    uint16_t r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
+// Four floats to four e4m3 bytes (b0 in the low byte), rounded to nearest and saturated: two
+// conversions joined by one move of their 16-bit halves, which ptxas turns into two F2FP, the
+// second writing its pair into the upper half of the first's register. A 16-bit result widened
+// and shifted in C++ cost masks, shifts and permutes per word instead.
 __forceinline__ __device__ uint32_t e4m3x4(float b0, float b1, float b2, float b3) {
-    return e4m3x2(b0, b1) | (e4m3x2(b2, b3) << 16);
+    uint32_t r;
+    asm("{\n"
+        ".reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n"
+        "}"
+        : "=r"(r)
+        : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+    return r;
 }
 
 // P (a WGMMA accumulator of one warp group, ((2 cols, 2 row halves, N/8), 1, 1)) as the e4m3
