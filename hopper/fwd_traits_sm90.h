@@ -44,7 +44,7 @@ struct Sm90FwdTraits {
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
     static_assert(!kFp8 || (!kPackGQA && !kAlibi), "e4m3: plain and band kernels only");
     static constexpr Sm90FwdTile kTile =
-        kFp8 ? sm90_fwd_tile_fp8(kHeadDim) : sm90_fwd_tile(kHeadDim, kBand);
+        kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand) : sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;

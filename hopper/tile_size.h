@@ -59,8 +59,12 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
 // (with it -4..+1%).
 // No clusters: the transposing warps, not the consumers, release V's stages, and a release to
 // the other CTA of a pair would have to wait for both CTAs' transposes.
-constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d) {
-    return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}
+// d <= 64 without a band: the groups do not take turns. The softmax, not the tensor cores, sets
+// the pace there (e4m3 GEMMs of 64 x 128 x 64 take a quarter of a block's issue time), and
+// turns only made a group wait for the previous one's softmax: +4-8% at 1k-16k (H100,
+// 2026-11-28). Causal lost 0-5% without them, so the band kernel keeps them.
+constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d, bool band) {
+    return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, band, 1}
            : d <= 128 ? Sm90FwdTile{192, 128, 2, 3, true, 1, false}
            : d <= 192 ? Sm90FwdTile{128, 128, 2, 2, true, 1}
                       : Sm90FwdTile{128, 96, 2, 2, false, 1};
