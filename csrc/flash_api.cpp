@@ -125,14 +125,14 @@ T* ptr(const Tensor& t) {
     return static_cast<T*>(t.data_ptr());
 }
 
-// `e4m3`: float8_e4m3fn is an input of this op (the forward's).
+// `e4m3`: float8_e4m3fn is an input of this op (the forward's, and the cache update's).
 Dtype dtype_of(const Tensor& t, bool e4m3 = false) {
     if (t.scalar_type() == ScalarType::Half) return Dtype::kFp16;
     if (t.scalar_type() == ScalarType::BFloat16) return Dtype::kBf16;
     if (e4m3 && t.scalar_type() == ScalarType::Float8_e4m3fn) return Dtype::kE4m3;
     throw std::runtime_error(str_of("flash_attn: expected float16 or bfloat16 tensors, got ",
                                     t.scalar_type(),
-                                    e4m3 ? " (the forward also takes float8_e4m3fn)" : ""));
+                                    e4m3 ? " (this op also takes float8_e4m3fn)" : ""));
 }
 
 using flash::dtype_name;
@@ -879,7 +879,7 @@ Tensor kvcache_update(const Tensor& k_cache, const Tensor& v_cache,
                       const std::optional<Tensor>& rotary_sin, bool rotary_interleaved,
                       bool q_rows_advance, const std::optional<Tensor>& block_table,
                       const std::optional<Tensor>& cache_leftpad) {
-    const Dtype dtype = dtype_of(q);
+    const Dtype dtype = dtype_of(q, /*e4m3=*/true);
     FA_CHECK(q.is_cuda() && q.dim() == 4, "flash_attn: q must be a 4-D CUDA tensor");
     check_cuda_tensor(k_cache, "k_cache", q);
     check_cuda_tensor(v_cache, "v_cache", q);
@@ -920,6 +920,8 @@ Tensor kvcache_update(const Tensor& k_cache, const Tensor& v_cache,
     FA_CHECK(rotary == rotary_sin.has_value() && rotary == q_rot.has_value() &&
                  (!rotary || k.has_value()),
              "flash_attn: rotary_cos, rotary_sin and q_rot go together, and need k and v");
+    FA_CHECK(!rotary || dtype != Dtype::kE4m3,
+             "flash_attn: float8_e4m3fn caches take no rotary tables (rows would be requantized)");
     Tensor cos, sin;
     if (rotary) {
         check_cuda_tensor(*q_rot, "q_rot", q);

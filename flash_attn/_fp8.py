@@ -15,14 +15,17 @@ arguments, so every path, torch.compile's included, sees the same FP8 call):
 * CUDA: the SM90 (H100-class, compute capability 9.0) forward kernels take the e4m3 tensors
   and the descales as they are (``flash_attn_cuda.fwd``'s trailing ``q_descale``,
   ``k_descale``, ``v_descale``): batched and varlen, causal, sliding window, softcap, GQA/MQA,
-  a learnable sink. Other GPUs have no FP8 kernels (NotImplementedError), nor do alibi_slopes,
-  dropout_p > 0, return_attn_probs=True, or a v head dim other than q's (MLA) on CUDA. Head
-  dims are zero-padded to a multiple of 16 (16 bytes of e4m3, the TMA's alignment).
-* CPU: the reference dequantizes (:func:`dequantize`) and runs the float32 attention, with
-  every option of a float32 call, then rounds the output to bfloat16.
-* Neither: a paged K/V (block_table), FP8 caches in flash_attn_with_kvcache, and any backward
-  (a backward through an FP8 output raises NotImplementedError, whichever input required
-  grad: q, k, v, a descale or the sink).
+  a learnable sink, and ``flash_attn_with_kvcache`` on e4m3 caches (the new rows appended as
+  they are, ``cache_seqlens``, ``cache_batch_idx``). Other GPUs have no FP8 kernels
+  (NotImplementedError), nor do alibi_slopes, dropout_p > 0, return_attn_probs=True, a v head
+  dim other than q's (MLA), a paged K/V (block_table) or ``cache_leftpad`` on CUDA. Head dims
+  are zero-padded to a multiple of 16 (16 bytes of e4m3, the TMA's alignment).
+* CPU: the reference runs every option of a float32 call on the dequantized inputs (paged and
+  indexed K/V included: a sequence keeps its own descales whichever cache rows it reads), then
+  rounds the output to bfloat16.
+* Neither: rotary embedding in ``flash_attn_with_kvcache`` (it would rotate and requantize
+  e4m3 rows), and any backward (a backward through an FP8 output raises
+  NotImplementedError, whichever input required grad: q, k, v, a descale or the sink).
 
 The checks (:func:`check_call`) run inside :mod:`flash_attn._validation`, the one place where
 every entry point's arguments are checked.
@@ -72,19 +75,22 @@ def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
 
 def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, headdim: int,
                headdim_v: int, q_descale, k_descale, v_descale, dropout_p: float,
-               alibi_slopes, return_attn_probs: bool, paged: bool
+               alibi_slopes, return_attn_probs: bool, paged: bool, leftpad: bool = False,
+               rotary: bool = False
                ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The FP8 rules of a validated attention call (q, k, v, shapes and options already
     checked, q, k and v of one dtype): the descales as the op takes them, None for a call
     that is not FP8 (which must pass none). Raises NotImplementedError for what no path
-    implements with FP8 inputs (see the module docstring)."""
+    implements with FP8 inputs (see the module docstring). `paged`: a block_table is given;
+    `leftpad`: cache_leftpad; `rotary`: flash_attn_with_kvcache's rotary tables."""
     if q.dtype not in FP8_DTYPES:
         check_no_descale(fn, q_descale, k_descale, v_descale)
         return None, None, None
-    if paged:
+    if rotary:
         raise NotImplementedError(
-            f"{fn}: FP8 (float8_e4m3fn) inputs with block_table (a paged K/V) are not "
-            f"implemented; pass contiguous K/V or bf16/fp16 inputs"
+            f"{fn}: rotary embedding with FP8 (float8_e4m3fn) caches is not implemented (the "
+            f"rotated rows would be requantized); rotate k and q before the call, or pass "
+            f"bf16/fp16 inputs"
         )
     if device_type == "cuda":
         missing = [what for what, given in (
@@ -93,6 +99,8 @@ def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, 
             ("return_attn_probs=True", return_attn_probs),
             (f"a v head dim other than q's ({headdim_v} != {headdim}, MLA)",
              headdim_v != headdim),
+            ("a paged K/V (block_table)", paged),
+            ("cache_leftpad", leftpad),
         ) if given]
         if missing:
             raise NotImplementedError(
@@ -103,6 +111,16 @@ def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, 
     return (_descale(fn, "q_descale", q_descale, batch, nheads_k, q.device),
             _descale(fn, "k_descale", k_descale, batch, nheads_k, q.device),
             _descale(fn, "v_descale", v_descale, batch, nheads_k, q.device))
+
+
+def scores_descale(q_descale: Optional[Tensor], k_descale: Optional[Tensor]
+                   ) -> Optional[Tensor]:
+    """q_descale * k_descale (None where both are None): each is a constant of a (sequence,
+    key/value head), so the scores (q * q_descale) . (k * k_descale) equal
+    (q * q_descale * k_descale) . k, and k may be read as it is stored."""
+    if q_descale is None or k_descale is None:
+        return q_descale if k_descale is None else k_descale
+    return q_descale * k_descale
 
 
 def dequantize(x: Tensor, descale: Optional[Tensor],

@@ -835,11 +835,15 @@ def validate_kvcache(
     return_softmax_lse=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ) -> KVCacheArgs:
     """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b, or paged
     (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v
     (b, s_new, hk, d) or None; cache_seqlens int or int32 (b,); rotary_cos / rotary_sin
-    (seqlen_ro, rotary_dim / 2); the sink (h,). Returns the normalized call."""
+    (seqlen_ro, rotary_dim / 2); the sink (h,); FP8 q, caches and k / v with the descales
+    (b, hk) (flash_attn/_fp8.py). Returns the normalized call."""
     splits = _as_int(num_splits)
     if splits is None:
         raise TypeError(f"{fn}: num_splits must be an int >= 0, got {num_splits!r}")
@@ -852,7 +856,8 @@ def validate_kvcache(
             f"the keys themselves; pass num_splits=0 (FLASH_ATTN_SPLIT=0 turns splitting off)"
         )
     nheads, nheads_k, headdim, device_type = _check_qkv_tensors(
-        fn, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, varlen=False, same_batch=False
+        fn, ("q", "k_cache", "v_cache"), q, k_cache, v_cache, varlen=False, same_batch=False,
+        fp8=True,
     )
     batch, seqlen_cache = q.shape[0], k_cache.shape[1]
     if block_table is not None:
@@ -874,7 +879,7 @@ def validate_kvcache(
         raise ValueError(f"{fn}: k and v must be given together (or both None)")
     seqlen_new = 0
     if k is not None:
-        _check_qkv_tensors(fn, ("q", "k", "v"), q, k, v, varlen=False)
+        _check_qkv_tensors(fn, ("q", "k", "v"), q, k, v, varlen=False, fp8=True)
         if k.shape[2] != nheads_k:
             raise ValueError(
                 f"{fn}: k must have nheads_k = {nheads_k} heads (as k_cache), got "
@@ -899,6 +904,10 @@ def validate_kvcache(
             raise ValueError(
                 f"{fn}: cache_seqlens is needed with k and v (the rows where they are written)"
             )
+    descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, headdim,
+                               q_descale, k_descale, v_descale, 0.0, alibi_slopes, False,
+                               block_table is not None, cache_leftpad is not None,
+                               rotary_cos is not None or rotary_sin is not None)
     lens_interval = f"[0, seqlen_cache - seqlen_new] = [0, {seqlen_cache - seqlen_new}]"
     if cache_seqlens is not None:
         if _is_int(cache_seqlens):
@@ -990,6 +999,7 @@ def validate_kvcache(
         device_type=device_type, dtype=q.dtype,
         alibi_slopes=_check_alibi(fn, alibi_slopes, q, batch, nheads),
         sink=_check_sink(fn, s_aux, learnable_sink, q, nheads),
+        q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
     )
     return KVCacheArgs(attn, seqlen_new, cache_seqlens, rotary_dim, bool(rotary_interleaved),
                        return_softmax_lse)

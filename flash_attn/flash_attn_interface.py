@@ -23,9 +23,9 @@ Notes common to all functions:
   FlashAttention-2's arguments) works on every path, forward and backward: the CPU reference
   has it in its softmax, the CUDA forward kernels join it to each finished row, and the
   backward kernels need nothing more than the LSE that includes it.
-* FP8: every function but ``flash_attn_with_kvcache`` takes ``float8_e4m3fn`` q, k, v with
-  FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale`` (last), forward only, with a
-  bfloat16 output: on CUDA the SM90 kernels (H100-class GPUs), on CPU the reference on the
+* FP8: every function takes ``float8_e4m3fn`` q, k, v (``flash_attn_with_kvcache``: q, the
+  caches and the new k, v) with FlashAttention-3's ``q_descale``, ``k_descale``,
+  ``v_descale`` (last), forward only, with a bfloat16 output: on CUDA the SM90 kernels (H100-class GPUs), on CPU the reference on the
   dequantized inputs (:mod:`flash_attn._fp8` says what each path takes).
 """
 
@@ -230,10 +230,10 @@ _FP8_ARGS_DOC = """
             bfloat16 (softmax_lse float32). On CUDA the SM90 kernels run it (H100-class GPUs
             only; others raise NotImplementedError): batched and varlen, causal, window,
             softcap, MQA/GQA, the learnable sink; alibi_slopes, dropout_p > 0,
-            return_attn_probs=True and a v head dim other than q's raise NotImplementedError
-            there (CPU tensors run all of them on the reference, in float32). A paged K/V
-            (block_table) and a backward through an FP8 call raise NotImplementedError on
-            both devices."""
+            return_attn_probs=True, a v head dim other than q's and a paged K/V
+            (block_table) raise NotImplementedError there (CPU tensors run all of them on
+            the reference, in float32). A backward through an FP8 call raises
+            NotImplementedError on both devices."""
 
 _MASK_DOC = """
     If causal=True, the causal mask is aligned to the bottom right corner of the attention
@@ -637,12 +637,16 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     s_aux=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     fn = "flash_attn_with_kvcache"
     c = V.validate_kvcache(
         fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, s_aux, learnable_sink,
+        q_descale, k_descale, v_descale,
     )
     a = c.attn
     first = c.cache_seqlens
@@ -753,6 +757,14 @@ flash_attn_with_kvcache.__doc__ = """
             (FLASH_ATTN_SPLIT=0 turns the split off); other values raise NotImplementedError.
         return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.""" \
     + _SINK_ARGS_DOC + """
+        q_descale, k_descale, v_descale [optional]: (batch_size, nheads_k), float32, for q,
+            k_cache, v_cache (and k, v) in torch.float8_e4m3fn, as in flash_attn_func: entry
+            [b] scales sequence b's rows whichever cache entry or pages it reads, including
+            the new rows, which are written into the caches as they are (the caller quantizes
+            them with the cache's scale). The output is bfloat16. On CUDA: with cache_seqlens
+            and cache_batch_idx; block_table and cache_leftpad raise NotImplementedError
+            there (CPU tensors run them on the reference), rotary_cos / rotary_sin on both
+            devices (the rotated rows would be requantized).
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).

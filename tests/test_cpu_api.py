@@ -76,8 +76,8 @@ def test_exports_and_version():
 
 def test_signatures_match_flash_attention_2():
     """FlashAttention-2's parameters, in its order, then ours: the learnable sink under its two
-    names (s_aux, learnable_sink), and FlashAttention-3's FP8 descales on every function but
-    flash_attn_with_kvcache, last so that FlashAttention-2's positional calls work."""
+    names (s_aux, learnable_sink), and FlashAttention-3's FP8 descales, last so that
+    FlashAttention-2's positional calls work."""
     common = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
               "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
     sink = "s_aux=None, learnable_sink=None"
@@ -99,7 +99,7 @@ def test_signatures_match_flash_attention_2():
             "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
             "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
             "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, "
-            f"{sink})",
+            f"{sink}, {fp8})",
     }
     for fn, sig in expected.items():
         assert str(inspect.signature(fn)) == sig, fn.__name__

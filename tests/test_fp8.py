@@ -1,6 +1,7 @@
 """FP8 (float8_e4m3fn) inputs (issue 30 item 3) without a GPU: the CPU reference's bf16 output
 against a float32 attention of the same dequantized inputs (x.float() * descale per (batch, kv
-head)), batched and varlen, GQA and causal, the packed variants, padded head dims; the argument
+head)), batched and varlen, GQA and causal, the packed variants, padded head dims,
+flash_attn_with_kvcache (appended rows, cache_batch_idx, pages, cache_leftpad); the argument
 checks; the NotImplementedError of a backward. The CUDA path's Python side on fake CUDA tensors
 (what it refuses before any kernel, the op's bf16 fake output), with a stand-in extension (the
 arguments `flash_attn_cuda.fwd` gets) and a stand-in build (require_kernel's FP8 rules); the
@@ -192,19 +193,94 @@ def test_backward_raises_with_padded_headdim_and_under_no_grad():
         assert not flash_attn_func(q, k, v).requires_grad
 
 
-def test_block_table_and_kvcache_not_implemented():
-    q = torch.randn(8, 2, 16).to(E4M3)
-    pages = torch.randn(4, 4, 2, 16).to(E4M3)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    table = torch.tensor([[0, 1]], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="FP8 .* block_table"):
-        flash_attn_varlen_func(q, pages, pages, cu, cu, 8, 8, block_table=table)
-    qb = torch.randn(1, 2, 2, 16)
-    cache = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8"):
-        flash_attn_with_kvcache(qb.to(E4M3), cache.to(E4M3), cache.to(E4M3))
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8 .*k_cache"):
-        flash_attn_with_kvcache(qb, cache.to(E4M3), cache.to(E4M3))
+def _dequantized(x, descale, b):
+    """Sequence b's rows x (rows, hk, d) in float32 times its descale row (hk,)."""
+    return x.float() * descale[b][None, :, None]
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["direct", "batch_idx"])
+def test_kvcache_appends_and_keeps_each_sequences_descale(indexed):
+    """flash_attn_with_kvcache on e4m3 caches: the new rows land as they are (bytes), and
+    sequence b's output is the attention of its entry's first cache_seqlens[b] + seqlen_new
+    rows with row b of the descales, whichever entry it reads. GQA 4:2, causal."""
+    torch.manual_seed(2)
+    b, sq, h, hk, d, sc, snew = 3, 2, 4, 2, 32, 24, 2
+    q = torch.randn(b, sq, h, d).to(E4M3)
+    k_cache, v_cache = (torch.randn(5, sc, hk, d).to(E4M3) for _ in range(2))
+    k_new, v_new = (torch.randn(b, snew, hk, d).to(E4M3) for _ in range(2))
+    qd, kd, vd = (torch.rand(b, hk) + 0.5 for _ in range(3))
+    lens = torch.tensor([0, 9, sc - snew], dtype=torch.int32)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32) if indexed else torch.arange(b).int()
+    before = k_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                  cache_batch_idx=idx if indexed else None, causal=True,
+                                  q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.shape == (b, sq, h, d) and out.dtype == torch.bfloat16
+    for i, e in enumerate(idx.tolist()):
+        start, end = int(lens[i]), int(lens[i]) + snew
+        got = k_cache.view(torch.uint8)[e]
+        assert torch.equal(got[start:end], k_new.view(torch.uint8)[i])
+        assert torch.equal(got[:start], before.view(torch.uint8)[e, :start])
+        rep = qd[i].repeat_interleave(h // hk)[None, None, :, None]
+        ref = attention_f32(q[i:i + 1].float() * rep,
+                            _dequantized(k_cache[e, :end], kd, i)[None],
+                            _dequantized(v_cache[e, :end], vd, i)[None], causal=True)
+        within_bound(out[i:i + 1], ref)
+
+
+def test_pages_and_leftpad_on_the_reference():
+    """CPU: a paged K/V (varlen and flash_attn_with_kvcache) and cache_leftpad run on the
+    reference with each sequence's descales (CUDA refuses them, test_cuda_unsupported_kvcache)."""
+    torch.manual_seed(3)
+    b, h, hk, d, page, pages_per_seq = 2, 2, 1, 16, 4, 3
+    pages_k, pages_v = (torch.randn(b * pages_per_seq, page, hk, d).to(E4M3)
+                        for _ in range(2))
+    table = torch.randperm(b * pages_per_seq).reshape(b, pages_per_seq).int()
+    qd, kd, vd = (torch.rand(b, hk) + 0.5 for _ in range(3))
+    lens = [7, 12]
+
+    def seq_kv(i, pages):
+        return pages[table[i].long()].reshape(-1, hk, d)[:lens[i]]
+
+    q = torch.randn(b, 1, h, d).to(E4M3)
+    out = flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=torch.tensor(lens).int(),
+                                  block_table=table, q_descale=qd, k_descale=kd, v_descale=vd)
+    qv = q[:, 0]
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cu_k = torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32)
+    out_v = flash_attn_varlen_func(qv, pages_k, pages_v, cu, cu_k, 1, max(lens),
+                                   block_table=table, q_descale=qd, k_descale=kd, v_descale=vd)
+    pad = torch.tensor([2, 5], dtype=torch.int32)
+    out_p = flash_attn_with_kvcache(q, pages_k, pages_v, cache_seqlens=torch.tensor(lens).int(),
+                                    block_table=table, cache_leftpad=pad, q_descale=qd,
+                                    k_descale=kd, v_descale=vd)
+    for i in range(b):
+        rep = qd[i].repeat_interleave(h // hk)[None, None, :, None]
+        qf = q[i:i + 1].float() * rep
+        kf, vf = _dequantized(seq_kv(i, pages_k), kd, i), _dequantized(seq_kv(i, pages_v), vd, i)
+        ref = attention_f32(qf, kf[None], vf[None])
+        within_bound(out[i:i + 1], ref)
+        within_bound(out_v[i:i + 1], ref[0])
+        first = int(pad[i])
+        within_bound(out_p[i:i + 1], attention_f32(qf, kf[None, first:], vf[None, first:]))
+
+
+def test_kvcache_errors():
+    q = torch.randn(1, 1, 2, 16).to(E4M3)
+    cache = torch.randn(1, 8, 2, 16).to(E4M3)
+    new = torch.randn(1, 1, 2, 16)
+    lens = torch.tensor([3], dtype=torch.int32)
+    table = torch.ones(64, 8)
+    with pytest.raises(NotImplementedError, match="rotary embedding with FP8"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), new.to(E4M3), new.to(E4M3),
+                                rotary_cos=table, rotary_sin=table, cache_seqlens=lens)
+    with pytest.raises(TypeError, match="must all be float8_e4m3fn"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), new, new.to(E4M3), cache_seqlens=lens)
+    with pytest.raises(TypeError, match="must all be float8_e4m3fn"):
+        flash_attn_with_kvcache(q.float(), cache, cache)
+    with pytest.raises(ValueError, match="descale are for float8_e4m3fn inputs"):
+        flash_attn_with_kvcache(q.float(), cache.float(), cache.float(),
+                                k_descale=torch.ones(1, 2))
 
 
 @pytest.fixture
@@ -261,6 +337,28 @@ def test_cuda_unsupported_combinations(fake_cuda, what):
     res = flash_attn_func(q, q, v, **kw)
     out = res[0] if isinstance(res, tuple) else res
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("what", ["block_table", "cache_leftpad"])
+def test_cuda_unsupported_kvcache(fake_cuda, what):
+    """On CUDA an FP8 cache runs with cache_seqlens and cache_batch_idx (out bfloat16 from the
+    op's fake); a paged cache and cache_leftpad raise NotImplementedError naming them."""
+    with fake_cuda:
+        q = torch.empty(2, 1, 4, 64, device="cuda", dtype=E4M3)
+        cache = torch.empty(3, 64, 2, 64, device="cuda", dtype=E4M3)
+        new = torch.empty(2, 1, 2, 64, device="cuda", dtype=E4M3)
+        lens = torch.empty(2, dtype=torch.int32, device="cuda")
+        qd = torch.ones(2, 2, device="cuda")
+        out = flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=lens,
+                                      cache_batch_idx=lens, q_descale=qd, v_descale=qd)
+        assert out.shape == (2, 1, 4, 64) and out.dtype == torch.bfloat16
+        if what == "block_table":
+            cache = torch.empty(8, 16, 2, 64, device="cuda", dtype=E4M3)
+            kw = dict(block_table=torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
+        else:
+            kw = dict(cache_leftpad=lens)
+        with pytest.raises(NotImplementedError, match=f"CUDA FP8 .*{what}"):
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, **kw)
 
 
 class _FakeExt:

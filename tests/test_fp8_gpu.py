@@ -3,7 +3,8 @@
 random descales in [0.5, 2] per (sequence, kv head); batched and varlen, full / causal / sliding
 window, GQA and MQA, head dims 64, 128, 256 and padded ones (80: the kernel's tier 96; 72: the
 interface pads to 80), seqlens that are not multiples of 128 with seqlen_q != seqlen_k, softcap,
-the learnable sink. Skipped without an sm90 GPU or where the build has no e4m3 kernel of the
+the learnable sink, flash_attn_with_kvcache on e4m3 caches (cache_seqlens, cache_batch_idx,
+NaN bytes past each sequence). Skipped without an sm90 GPU or where the build has no e4m3 kernel of the
 tier (build_info's kernels with dtype "e4m3").
 
 Bound (``Ref.bound``, per output element of row r, column d; float64, from the reference's own
@@ -628,16 +629,78 @@ def test_unsupported_options_raise(what):
         flash_attn_func(q, q, v, **kw)
 
 
-def test_paged_and_kvcache_raise():
+def test_paged_leftpad_and_rotary_raise():
+    """A paged K/V and cache_leftpad are refused on CUDA, naming them; rotary tables on FP8
+    caches on any device."""
     q = rand_fp8(8, 2, 64)
     pages = rand_fp8(4, 16, 2, 64)
     cu = cu_seqlens([8])
     table = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
     with pytest.raises(NotImplementedError, match="block_table"):
         flash_attn_varlen_func(q, pages, pages, cu, cu, 8, 8, block_table=table)
-    cache = rand_fp8(1, 16, 2, 64)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8"):
-        flash_attn_with_kvcache(rand_fp8(1, 1, 2, 64), cache, cache)
+    qb, cache = rand_fp8(1, 1, 2, 64), rand_fp8(1, 32, 2, 64)
+    lens = torch.tensor([4], dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_with_kvcache(qb, pages, pages, cache_seqlens=lens, block_table=table)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn_with_kvcache(qb, cache, cache, cache_seqlens=lens, cache_leftpad=lens - 2)
+    new = rand_fp8(1, 1, 2, 64)
+    table_ro = torch.ones(64, 32, device="cuda")
+    with pytest.raises(NotImplementedError, match="rotary"):
+        flash_attn_with_kvcache(qb, cache, cache.clone(), new, new, rotary_cos=table_ro,
+                                rotary_sin=table_ro, cache_seqlens=lens)
+
+
+KV_CASES = [  # (seqlen_q, seqlen_new, seqlen_cache, mask)
+    (1, 1, 1000, "causal"),  # decode
+    (5, 5, 300, "causal"),
+    (3, 0, 77, "full"),  # no append
+    (16, 2, 520, "window"),
+]
+
+
+@pytest.mark.parametrize("sq,snew,sc,mask", KV_CASES,
+                         ids=[f"q{a}-new{b}-c{c}-{m}" for a, b, c, m in KV_CASES])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("indexed", [False, True], ids=["direct", "batch_idx"])
+def test_kvcache(d, sq, snew, sc, mask, indexed):
+    """flash_attn_with_kvcache on e4m3 caches: the new rows are written as they are (bytes),
+    the other rows untouched, and out / lse meet the bound against the float64 attention of
+    sequence b's rows [0, cache_seqlens[b] + seqlen_new) of its entry, dequantized with row b
+    of the descales. The rows past each sequence hold NaN bytes, which must not reach out (the
+    last key block's V rows past the sequence are cleared). GQA 4:2."""
+    need_fp8(d)
+    torch.manual_seed(d + sq * 3 + sc)
+    b, h, hk, entries = 3, 4, 2, 5
+    q = rand_fp8(b, sq, h, d)
+    k_cache, v_cache = rand_fp8(entries, sc, hk, d), spread_values(entries, sc, hk, d)
+    lens = torch.tensor([0, sc // 3, sc - snew], dtype=torch.int32, device="cuda")
+    idx = (torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda") if indexed
+           else torch.arange(b, dtype=torch.int32, device="cuda"))
+    for i, e in enumerate(idx.tolist()):  # NaN (0x7f) past what sequence i reads
+        end = int(lens[i]) + snew
+        k_cache.view(torch.uint8)[e, end:] = 0x7F
+        v_cache.view(torch.uint8)[e, end:] = 0x7F
+    k_new, v_new = (rand_fp8(b, snew, hk, d) for _ in range(2)) if snew else (None, None)
+    qd, kd, vd = (rand_descale(b, hk) for _ in range(3))
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    causal, window = MASKS[mask]
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+        cache_batch_idx=idx if indexed else None, causal=causal, window_size=window,
+        return_softmax_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    scale = d ** -0.5
+    for i, e in enumerate(idx.tolist()):
+        start, end = int(lens[i]), int(lens[i]) + snew
+        for cache, before, new in ((k_cache, before_k, k_new), (v_cache, before_v, v_new)):
+            got, was = cache.view(torch.uint8)[e], before.view(torch.uint8)[e]
+            if snew:
+                assert torch.equal(got[start:end], new.view(torch.uint8)[i]), "new rows"
+            assert torch.equal(got[:start], was[:start]) and torch.equal(got[end:], was[end:])
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        ref = reference_dense(one(q), k_cache[e:e + 1, :end], v_cache[e:e + 1, :end], one(qd),
+                              one(kd), one(vd), scale=scale, causal=causal, window=window)
+        check(out[i:i + 1], lse[i:i + 1], ref, f"kvcache d{d} seq {i}")
 
 
 def test_other_gpus_and_force_sm80_raise(monkeypatch):

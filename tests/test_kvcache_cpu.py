@@ -176,7 +176,7 @@ def make(b=2, sq=1, sn=1, sc=16, h=4, hk=2, d=16, batch_cache=None, dtype=F64):
 
 def test_exported_with_flash_attention_2_signature():
     """Exported from flash_attn, with FlashAttention-2's parameter names, order and defaults,
-    then the learnable sink's two names (ours)."""
+    then the learnable sink's two names (ours) and FlashAttention-3's FP8 descales."""
     assert flash_attn.flash_attn_with_kvcache is flash_attn_with_kvcache
     empty = inspect.Parameter.empty
     expected = [
@@ -186,7 +186,7 @@ def test_exported_with_flash_attention_2_signature():
         ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
         ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None),
         ("num_splits", 0), ("return_softmax_lse", False), ("s_aux", None),
-        ("learnable_sink", None),
+        ("learnable_sink", None), ("q_descale", None), ("k_descale", None), ("v_descale", None),
     ]
     params = inspect.signature(flash_attn_with_kvcache).parameters.values()
     assert [(p.name, p.default) for p in params] == expected

@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "bad_input.h"
 #include "kvcache_update.h"
@@ -67,11 +69,15 @@ __device__ T rotated(const KVCacheUpdateParams& p, const T* x, const Strides4& s
     return from_float<T>(r);
 }
 
+// T = uint8_t: e4m3 caches, whose rows are copied as bytes and never rotated (the binding
+// refuses rotary tables with them).
 template <class T, class Table>
 __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateParams p) {
+    constexpr bool kRotates = !std::is_same_v<T, uint8_t>;
     const index_t kv_elems = index_t(p.batch) * p.seqlen_new * p.nheads_k * p.headdim;
-    const index_t q_elems =
-        p.q_rot == nullptr ? 0 : index_t(p.batch) * p.seqlen_q * p.nheads * p.headdim;
+    const index_t q_elems = !kRotates || p.q_rot == nullptr
+                                ? 0
+                                : index_t(p.batch) * p.seqlen_q * p.nheads * p.headdim;
     const index_t total = p.batch + 2 * kv_elems + q_elems;
     // 64-bit: cache_seqlens + seqlen_new may pass INT_MAX.
     auto first_row = [&](int b) {
@@ -127,18 +133,23 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
                     static_cast<const T*>(p.v)[at(p.v_stride, r.b, r.j, r.h, r.i)];
             } else {
                 const T* k = static_cast<const T*>(p.k);
-                const T val = p.rotary_dim > 0
-                                  ? rotated<T, Table>(p, k, p.k_stride, r.b, r.j, r.h, r.i, pos)
-                                  : k[at(p.k_stride, r.b, r.j, r.h, r.i)];
+                T val = k[at(p.k_stride, r.b, r.j, r.h, r.i)];
+                if constexpr (kRotates) {
+                    if (p.rotary_dim > 0) {
+                        val = rotated<T, Table>(p, k, p.k_stride, r.b, r.j, r.h, r.i, pos);
+                    }
+                }
                 static_cast<T*>(p.k_cache)[at(p.k_cache_stride, entry, row, r.h, r.i)] = val;
             }
             continue;
         }
-        x -= 2 * kv_elems;
-        const RowOf r = row_of(x, p.seqlen_q, p.nheads, p.headdim);
-        const index_t pos = first_row(r.b) + (p.q_rows_advance ? r.j : 0);
-        static_cast<T*>(p.q_rot)[at(p.q_rot_stride, r.b, r.j, r.h, r.i)] =
-            rotated<T, Table>(p, static_cast<const T*>(p.q), p.q_stride, r.b, r.j, r.h, r.i, pos);
+        if constexpr (kRotates) {
+            x -= 2 * kv_elems;
+            const RowOf r = row_of(x, p.seqlen_q, p.nheads, p.headdim);
+            const index_t pos = first_row(r.b) + (p.q_rows_advance ? r.j : 0);
+            static_cast<T*>(p.q_rot)[at(p.q_rot_stride, r.b, r.j, r.h, r.i)] = rotated<T, Table>(
+                p, static_cast<const T*>(p.q), p.q_stride, r.b, r.j, r.h, r.i, pos);
+        }
     }
 }
 
@@ -164,7 +175,9 @@ void launch_for(const KVCacheUpdateParams& p, cudaStream_t stream) {
 }  // namespace
 
 void run_kvcache_update(const KVCacheUpdateParams& p, Dtype dtype, cudaStream_t stream) {
-    if (dtype == Dtype::kFp16) {
+    if (dtype == Dtype::kE4m3) {
+        launch<uint8_t, uint8_t>(p, stream);
+    } else if (dtype == Dtype::kFp16) {
         launch_for<__half>(p, stream);
     } else {
         launch_for<__nv_bfloat16>(p, stream);

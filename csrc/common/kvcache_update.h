@@ -1,5 +1,6 @@
 // flash_attn_with_kvcache's cache update in one launch: the new k/v rows written into the cache
 // at cache_seqlens[b] (k rotated), q rotated at its positions, and the attention's seqused_k.
+// bf16/fp16, and e4m3 caches (rows copied as bytes, never rotated).
 // Plain CUDA (no CuTe): a few thousand rows of element-wise work, bound by the launch.
 #pragma once
 

@@ -38,8 +38,8 @@ hold the GPU, have nothing to leave). ``_fwd`` then ends with ``q_descale``, ``k
 ``v_descale``, the descales of FP8 inputs (flash_attn/_fp8.py): float32 ``(batch, nheads_k)``,
 contiguous, on q's device, or None (1). With q, k, v in ``float8_e4m3fn`` the CUDA kernel calls
 ``flash_attn_cuda.fwd`` with them as its last three arguments (the SM90 FP8 kernels; never
-``fwd_plain``), the CPU kernel dequantizes (``x.float() * descale``) and runs the float32
-reference, and both return ``out`` in bfloat16; the autograd formula raises
+``fwd_plain``), the CPU kernel dequantizes (k's descale joined to q's, v's applied to the
+output: constants of a sequence and key/value head) and runs the float32 reference, and both return ``out`` in bfloat16; the autograd formula raises
 NotImplementedError (no FP8 backward). ``_kvcache_update`` follows
 ``flash_attn_cuda.kvcache_update`` and mutates the caches and ``q_rot``.
 
@@ -272,18 +272,17 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
              dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None, k_descale=None,
              v_descale=None):
     if q.dtype in _fp8.FP8_DTYPES:
-        # The reference of an FP8 call: the float32 attention of the dequantized inputs
-        # (batched or varlen: the interface refuses FP8 with paged or indexed K/V), rounded
-        # to bfloat16.
-        q, k, v = (_fp8.dequantize(x, d, cu) for x, d, cu in (
-            (q, q_descale, cu_seqlens_q), (k, k_descale, cu_seqlens_k),
-            (v, v_descale, cu_seqlens_k)))
+        # The reference of an FP8 call: the float32 attention of the dequantized inputs, rounded
+        # to bfloat16. k's descale joins q's and v's scales the output (both are constants of a
+        # sequence and key/value head), so K and V are read as stored, through any batch index,
+        # pages or left pad, and sequence b keeps its descales whichever rows it reads.
+        q = _fp8.dequantize(q, _fp8.scores_descale(q_descale, k_descale), cu_seqlens_q)
         out, lse = _fwd_cpu(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, window_left, window_right, softcap, deterministic,
-            kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
-            sm_margin)
-        return out.to(_fp8.OUT_DTYPE), lse
+            q, k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+            deterministic, kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p,
+            rng_state, sm_margin)
+        return _fp8.dequantize(out, v_descale, cu_seqlens_q).to(_fp8.OUT_DTYPE), lse
     if kv_batch_idx is not None:
         idx = _kv_entries(kv_batch_idx, k)
         k, v = k[idx], v[idx]
