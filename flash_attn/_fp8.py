@@ -127,8 +127,9 @@ def dequantize(x: Tensor, descale: Optional[Tensor],
                cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """``x.float() * descale`` for an FP8 q, k or v: batched ``(batch, seqlen, heads, d)``, or
     varlen ``(total, heads, d)`` with each row's sequence read from ``cu_seqlens`` (whose last
-    entry is ``total``). ``descale`` (float32 ``(batch, nheads_k)``, None: 1) is repeated over
-    the query heads of each key/value head when x has more heads than it has columns."""
+    entry is at most ``total``; rows past it keep a descale of 1). ``descale`` (float32
+    ``(batch, nheads_k)``, None: 1) is repeated over the query heads of each key/value head
+    when x has more heads than it has columns."""
     x = x.detach().float()
     if descale is None:
         return x
@@ -139,6 +140,8 @@ def dequantize(x: Tensor, descale: Optional[Tensor],
     if cu_seqlens is None:
         return x * d[:, None, :, None]
     rows = torch.repeat_interleave(d, (cu_seqlens[1:] - cu_seqlens[:-1]).long(), dim=0)
+    # Rows past the last sequence (which the reference leaves alone) keep a descale of 1.
+    rows = torch.cat([rows, rows.new_ones(x.shape[0] - rows.shape[0], rows.shape[1])])
     return x * rows[:, :, None]
 
 

@@ -758,13 +758,16 @@ flash_attn_with_kvcache.__doc__ = """
         return_softmax_lse: bool. Whether to return the logsumexp of the attention scores.""" \
     + _SINK_ARGS_DOC + """
         q_descale, k_descale, v_descale [optional]: (batch_size, nheads_k), float32, for q,
-            k_cache, v_cache (and k, v) in torch.float8_e4m3fn, as in flash_attn_func: entry
-            [b] scales sequence b's rows whichever cache entry or pages it reads, including
-            the new rows, which are written into the caches as they are (the caller quantizes
-            them with the cache's scale). The output is bfloat16. On CUDA: with cache_seqlens
-            and cache_batch_idx; block_table and cache_leftpad raise NotImplementedError
-            there (CPU tensors run them on the reference), rotary_cos / rotary_sin on both
-            devices (the rotated rows would be requantized).
+            k_cache, v_cache (and k, v) in torch.float8_e4m3fn, as in flash_attn_func: row
+            [b] scales sequence b's keys and values whichever cache entry or pages it reads,
+            the new rows included, which are written into the caches as they are (quantized
+            by the caller for sequence b's k_descale / v_descale row; sequences that share
+            cache rows with different descale rows read them at different scales). The
+            output is bfloat16. On CUDA: with cache_seqlens and cache_batch_idx (GQA is not
+            packed and the keys are not split over SMs, so small-batch decode leaves SMs
+            idle); block_table and cache_leftpad raise NotImplementedError there (CPU tensors
+            run them on the reference), rotary_cos / rotary_sin on both devices (the rotated
+            rows would be requantized).
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).

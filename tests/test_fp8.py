@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from flash_attn import (
+    _fp8,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -426,6 +427,39 @@ def test_require_kernel_fp8_rules(monkeypatch):
     with pytest.raises(NotImplementedError, match="FLASH_ATTN_FORCE_SM80=1"):
         ops.require_kernel("fwd", E4M3, 128, dev)
     ops.require_kernel("fwd", torch.bfloat16, 64, dev)  # unchanged for bf16
+
+
+def test_kvcache_update_refuses_before_writing(monkeypatch):
+    """On CUDA the cache update checks that the attention after it has a kernel (an FP8 cache
+    on a GPU other than sm90, say) before it writes the caches: the extension is not called."""
+    calls = []
+
+    class _Ext:
+        def kvcache_update(self, *args):
+            calls.append(args)
+
+    def refuse(kind, dtype, headdim, device):
+        calls.append((kind, dtype, headdim))
+        raise NotImplementedError("no kernel")
+
+    monkeypatch.setattr(ops, "load_extension", lambda: _Ext())
+    monkeypatch.setattr(ops, "require_kernel", refuse)
+    q = torch.randn(1, 1, 2, 72).to(E4M3)
+    cache = torch.randn(1, 8, 2, 72).to(E4M3)
+    with pytest.raises(NotImplementedError, match="no kernel"):
+        ops._kvcache_update_cuda(cache, cache.clone(), None, q, q, q, None, 0, None, None, None,
+                                 True, False)
+    assert calls == [("fwd", E4M3, 80)]  # the head dim padded to a multiple of 16, no update
+
+
+def test_dequantize_rows_past_the_last_sequence():
+    """Varlen rows past cu_seqlens[-1] (which the reference leaves alone) keep a descale of 1."""
+    x = torch.full((5, 2, 4), 2.0).to(E4M3)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    d = torch.tensor([[3.0, 5.0], [7.0, 11.0]])
+    out = _fp8.dequantize(x, d, cu)
+    expect = torch.tensor([[3.0, 5.0], [7.0, 11.0], [7.0, 11.0], [1.0, 1.0], [1.0, 1.0]]) * 2
+    assert torch.equal(out, expect[:, :, None].expand(5, 2, 4))
 
 
 def test_compile_fullgraph_fp8():

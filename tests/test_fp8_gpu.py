@@ -609,6 +609,26 @@ def test_matches_bf16_kernel(d, causal, inputs):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_kvcache_whole_cache_indexed():
+    """cache_seqlens None with cache_batch_idx: every row of entry cache_batch_idx[b] (the plain
+    kernel, reading K/V through the batch index), descale row b."""
+    need_fp8(128)
+    torch.manual_seed(21)
+    b, sq, sc, h, hk, d = 3, 7, 300, 4, 2, 128
+    q = rand_fp8(b, sq, h, d)
+    k_cache, v_cache = rand_fp8(5, sc, hk, d), spread_values(5, sc, hk, d)
+    idx = torch.tensor([3, 0, 4], dtype=torch.int32, device="cuda")
+    qd, kd, vd = (rand_descale(b, hk) for _ in range(3))
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx, causal=True,
+                                       return_softmax_lse=True, q_descale=qd, k_descale=kd,
+                                       v_descale=vd)
+    for i, e in enumerate(idx.tolist()):
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        ref = reference_dense(one(q), k_cache[e:e + 1], v_cache[e:e + 1], one(qd), one(kd),
+                              one(vd), scale=d ** -0.5, causal=True)
+        check(out[i:i + 1], lse[i:i + 1], ref, f"whole cache, seq {i}")
+
+
 def test_backward_raises():
     need_fp8(64)
     q, k, v = (rand_fp8(1, 8, 2, 64) for _ in range(3))
@@ -715,6 +735,14 @@ def test_other_gpus_and_force_sm80_raise(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FORCE_SM80", "1")
     with pytest.raises(NotImplementedError, match="FLASH_ATTN_FORCE_SM80"):
         flash_attn_func(q, q, q)
+    # flash_attn_with_kvcache refuses before it appends: the cache keeps its bytes.
+    cache = rand_fp8(1, 16, 2, 64)
+    before = cache.clone()
+    lens = torch.tensor([3], dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_FORCE_SM80"):
+        flash_attn_with_kvcache(q[:, :1], cache, cache.clone(), q[:, :1], q[:, :1],
+                                cache_seqlens=lens)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_compile_fullgraph():
