@@ -25,8 +25,9 @@ Notes common to all functions:
   backward kernels need nothing more than the LSE that includes it.
 * FP8: every function takes ``float8_e4m3fn`` q, k, v (``flash_attn_with_kvcache``: q, the
   caches and the new k, v) with FlashAttention-3's ``q_descale``, ``k_descale``,
-  ``v_descale`` (last), forward only, with a bfloat16 output: on CUDA the SM90 kernels (H100-class GPUs), on CPU the reference on the
-  dequantized inputs (:mod:`flash_attn._fp8` says what each path takes).
+  ``v_descale`` (last), forward only, with a bfloat16 output: on CUDA the SM90 kernels
+  (H100-class GPUs), on CPU the reference on the dequantized inputs (:mod:`flash_attn._fp8`
+  says what each path takes).
 """
 
 from __future__ import annotations

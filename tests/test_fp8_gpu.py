@@ -4,8 +4,8 @@ random descales in [0.5, 2] per (sequence, kv head); batched and varlen, full / 
 window, GQA and MQA, head dims 64, 128, 256 and padded ones (80: the kernel's tier 96; 72: the
 interface pads to 80), seqlens that are not multiples of 128 with seqlen_q != seqlen_k, softcap,
 the learnable sink, flash_attn_with_kvcache on e4m3 caches (cache_seqlens, cache_batch_idx,
-NaN bytes past each sequence). Skipped without an sm90 GPU or where the build has no e4m3 kernel of the
-tier (build_info's kernels with dtype "e4m3").
+NaN bytes past each sequence). Skipped without an sm90 GPU or where the build has no e4m3
+kernel of the tier (build_info's kernels with dtype "e4m3").
 
 Bound (``Ref.bound``, per output element of row r, column d; float64, from the reference's own
 probabilities, every quantity over the row's kept keys j):

@@ -39,8 +39,9 @@ hold the GPU, have nothing to leave). ``_fwd`` then ends with ``q_descale``, ``k
 contiguous, on q's device, or None (1). With q, k, v in ``float8_e4m3fn`` the CUDA kernel calls
 ``flash_attn_cuda.fwd`` with them as its last three arguments (the SM90 FP8 kernels; never
 ``fwd_plain``), the CPU kernel dequantizes (k's descale joined to q's, v's applied to the
-output: constants of a sequence and key/value head) and runs the float32 reference, and both return ``out`` in bfloat16; the autograd formula raises
-NotImplementedError (no FP8 backward). ``_kvcache_update`` follows
+output: constants of a sequence and key/value head) and runs the float32 reference, and both
+return ``out`` in bfloat16; the autograd formula raises NotImplementedError (no FP8
+backward). ``_kvcache_update`` follows
 ``flash_attn_cuda.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
