@@ -12,7 +12,9 @@ a cache of 2 x batch entries: read in place, and, for comparison, gathered into 
 (`k_cache[idx]`, what a kernel without a batch index needs); and on a paged cache (pages of
 --pages rows, default 256, in shuffled order, block_table).
 
-Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16, causal
+Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16 (or
+e4m3 with --dtype e4m3: q, k, v and the caches in float8_e4m3fn with descales of 1, SDPA on their
+bf16 values; a column whose call raises NotImplementedError shows "nan"), causal
 (bottom-right aligned, as in decoding). Each call is captured once in a CUDA graph and the
 replays are timed (triton.testing.do_bench, median, L2 flushed between repetitions), so the
 numbers are GPU time without the host's dispatch. GB/s counts the K and V bytes read once.
@@ -45,6 +47,8 @@ def parse_args(argv=None):
                    help="comma list of nheads:nheads_k (default 32:8,32:4,64:8)")
     p.add_argument("--pages", default="256",
                    help="comma list of page sizes for the paged cache's columns (default 256)")
+    p.add_argument("--dtype", choices=["bf16", "e4m3"], default="bf16",
+                   help="e4m3: FP8 q, k, v and caches (FlashAttention-3's descales, all 1)")
     p.add_argument("--warmup", type=float, default=25.0, help="ms")
     p.add_argument("--rep", type=float, default=100.0, help="ms")
     return p.parse_args(argv)
@@ -55,10 +59,14 @@ def heads_list(spec: str) -> List[Tuple[int, int]]:
 
 
 def graphed_ms(fn, timer, args) -> float:
-    """Median GPU time of fn() replayed from a CUDA graph."""
+    """Median GPU time of fn() replayed from a CUDA graph; NaN where fn raises
+    NotImplementedError (a combination the build or the dtype does not run)."""
     import torch
 
-    fn()  # warm up outside the capture (first-call setup)
+    try:
+        fn()  # warm up outside the capture (first-call setup)
+    except NotImplementedError:
+        return float("nan")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -75,7 +83,7 @@ def main(argv=None) -> int:
     pages = [int(x) for x in args.pages.split(",")]
     timer_name, timer = make_timer()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
-          f"batch {args.batch}, hdim {args.hdim}, bf16, causal")
+          f"batch {args.batch}, hdim {args.hdim}, {args.dtype}, causal")
     print("| seqlen_q | seqlen_k | heads:kv | unpacked us | packed us | packed / unpacked "
           "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us "
           "| with_kvcache, lengths tensor us | with_kvcache, cache_batch_idx us "
@@ -88,65 +96,78 @@ def main(argv=None) -> int:
     for sk in [int(x) for x in args.seqlens_k.split(",")]:
         for sq in [int(x) for x in args.seqlens_q.split(",")]:
             for h, hk in heads_list(args.heads):
-                dt = torch.bfloat16
-                q = torch.randn(args.batch, sq, h, args.hdim, device="cuda", dtype=dt)
-                k = torch.randn(args.batch, sk, hk, args.hdim, device="cuda", dtype=dt)
-                v = torch.randn_like(k)
+                fp8 = args.dtype == "e4m3"
+                dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+                def rand(*shape):
+                    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).to(dt)
+
+                def zeros(*shape):
+                    # Through bytes: zeros are zero bytes in both dtypes.
+                    return torch.zeros(*shape, device="cuda", dtype=torch.uint8 if fp8 else dt
+                                       ).view(dt)
+
+                def raw(x):  # gathers and scatters on bytes (float8 has no indexing kernels)
+                    return x.view(torch.uint8) if fp8 else x
+
+                q = rand(args.batch, sq, h, args.hdim)
+                k, v = rand(args.batch, sk, hk, args.hdim), rand(args.batch, sk, hk, args.hdim)
+                ones = torch.ones(args.batch, hk, device="cuda")
+                fkw = dict(q_descale=ones, k_descale=ones, v_descale=ones) if fp8 else {}
                 us = {}
                 with torch.no_grad():
                     for name, env in settings.items():
                         os.environ.update(env)
                         us[name] = 1e3 * graphed_ms(
-                            lambda: flash_attn.flash_attn_func(q, k, v, causal=True), timer, args)
+                            lambda: flash_attn.flash_attn_func(q, k, v, causal=True, **fkw),
+                            timer, args)
                         for var in env:
                             os.environ.pop(var)
-                    k_cache = torch.zeros(args.batch, 2 * sk, hk, args.hdim, device="cuda",
-                                          dtype=dt)
-                    v_cache = torch.zeros_like(k_cache)
-                    k_cache[:, :sk], v_cache[:, :sk] = k, v
+                    k_cache = zeros(args.batch, 2 * sk, hk, args.hdim)
+                    v_cache = zeros(args.batch, 2 * sk, hk, args.hdim)
+                    raw(k_cache)[:, :sk], raw(v_cache)[:, :sk] = raw(k), raw(v)
                     k_new, v_new = k[:, sk - sq:].clone(), v[:, sk - sq:].clone()
                     us["kvcache"] = 1e3 * graphed_ms(
                         lambda: flash_attn.flash_attn_with_kvcache(
                             q, k_cache, v_cache, k_new, v_new, cache_seqlens=sk - sq,
-                            causal=True), timer, args)
+                            causal=True, **fkw), timer, args)
                     lens = torch.full((args.batch,), sk - sq, dtype=torch.int32, device="cuda")
                     us["kvcache_t"] = 1e3 * graphed_ms(
                         lambda: flash_attn.flash_attn_with_kvcache(
                             q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                            causal=True), timer, args)
+                            causal=True, **fkw), timer, args)
                     # Batch b uses entry 2 * (batch - 1 - b) + 1 of a 2 x batch cache.
                     idx = torch.arange(2 * args.batch - 1, 0, -2, dtype=torch.int32,
                                        device="cuda")
-                    k_cache = k_cache.repeat_interleave(2, dim=0)
-                    v_cache = v_cache.repeat_interleave(2, dim=0)
+                    k_cache = raw(k_cache).repeat_interleave(2, dim=0).view(dt)
+                    v_cache = raw(v_cache).repeat_interleave(2, dim=0).view(dt)
                     us["kvcache_idx"] = 1e3 * graphed_ms(
                         lambda: flash_attn.flash_attn_with_kvcache(
                             q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                            cache_batch_idx=idx, causal=True), timer, args)
+                            cache_batch_idx=idx, causal=True, **fkw), timer, args)
                     us["kvcache_gather"] = 1e3 * graphed_ms(
                         lambda: flash_attn.flash_attn_with_kvcache(
-                            q, k_cache[idx], v_cache[idx], k_new, v_new, cache_seqlens=lens,
-                            causal=True), timer, args)
-                    del k_cache, v_cache
+                            q, raw(k_cache)[idx].view(dt), raw(v_cache)[idx].view(dt), k_new,
+                            v_new, cache_seqlens=lens, causal=True, **fkw), timer, args)
+                    k_cache = v_cache = None  # freed before the paged caches
                     for page in pages:
                         blocks = args.batch * 2 * sk // page
                         table = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(
                             args.batch, 2 * sk // page)
-                        k_pages = torch.zeros(blocks, page, hk, args.hdim, device="cuda",
-                                              dtype=dt)
-                        v_pages = torch.zeros_like(k_pages)
-                        k_pages[table.long()] = torch.cat(
-                            [k, torch.zeros_like(k)], 1).unflatten(1, (-1, page))
-                        v_pages[table.long()] = torch.cat(
-                            [v, torch.zeros_like(v)], 1).unflatten(1, (-1, page))
+                        k_pages = zeros(blocks, page, hk, args.hdim)
+                        v_pages = zeros(blocks, page, hk, args.hdim)
+                        raw(k_pages)[table.long()] = torch.cat(
+                            [raw(k), torch.zeros_like(raw(k))], 1).unflatten(1, (-1, page))
+                        raw(v_pages)[table.long()] = torch.cat(
+                            [raw(v), torch.zeros_like(raw(v))], 1).unflatten(1, (-1, page))
                         us[f"paged{page}"] = 1e3 * graphed_ms(
                             lambda: flash_attn.flash_attn_with_kvcache(
                                 q, k_pages, v_pages, k_new, v_new, cache_seqlens=lens,
-                                block_table=table, causal=True), timer, args)
-                        del k_pages, v_pages
-                    qt = q.transpose(1, 2)
-                    kt = k.transpose(1, 2).repeat_interleave(h // hk, dim=1)
-                    vt = v.transpose(1, 2).repeat_interleave(h // hk, dim=1)
+                                block_table=table, causal=True, **fkw), timer, args)
+                        k_pages = v_pages = None
+                    qt = q.to(torch.bfloat16).transpose(1, 2)
+                    kt = k.to(torch.bfloat16).transpose(1, 2).repeat_interleave(h // hk, dim=1)
+                    vt = v.to(torch.bfloat16).transpose(1, 2).repeat_interleave(h // hk, dim=1)
                     # Bottom-right causal mask as a boolean mask (SDPA's is_causal is top-left).
                     mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq)
                     us["sdpa"] = 1e3 * graphed_ms(
