@@ -133,11 +133,13 @@ __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateP
                     static_cast<const T*>(p.v)[at(p.v_stride, r.b, r.j, r.h, r.i)];
             } else {
                 const T* k = static_cast<const T*>(p.k);
-                T val = k[at(p.k_stride, r.b, r.j, r.h, r.i)];
+                T val;
                 if constexpr (kRotates) {
-                    if (p.rotary_dim > 0) {
-                        val = rotated<T, Table>(p, k, p.k_stride, r.b, r.j, r.h, r.i, pos);
-                    }
+                    val = p.rotary_dim > 0
+                              ? rotated<T, Table>(p, k, p.k_stride, r.b, r.j, r.h, r.i, pos)
+                              : k[at(p.k_stride, r.b, r.j, r.h, r.i)];
+                } else {
+                    val = k[at(p.k_stride, r.b, r.j, r.h, r.i)];
                 }
                 static_cast<T*>(p.k_cache)[at(p.k_cache_stride, entry, row, r.h, r.i)] = val;
             }
