@@ -47,6 +47,13 @@ NO_BACKWARD = ("flash_attn: the backward of an FP8 (float8_e4m3fn) forward is no
                "implemented; run the forward in bf16/fp16 to train")
 
 
+def kernel_headdim(dtype: torch.dtype, d: int) -> int:
+    """d rounded up to the CUDA kernels' head-dim multiple: 16 bytes of a row, 16 values of
+    e4m3 (HEADDIM_ALIGN) or 8 of fp16/bf16."""
+    align = HEADDIM_ALIGN if dtype in FP8_DTYPES else 8
+    return d + -d % align
+
+
 def is_fp8(x) -> bool:
     return isinstance(x, Tensor) and x.dtype in FP8_DTYPES
 

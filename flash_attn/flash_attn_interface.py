@@ -90,9 +90,8 @@ def _forward(
     hd = v.shape[-1]  # the output's head dim (v's: it may differ from q's and k's)
     # A multiple of 8, as the kernels need (16 for FP8: 16 bytes either way).
     fp8 = a.dtype in _fp8.FP8_DTYPES
-    align = _fp8.HEADDIM_ALIGN if fp8 else 8
-    width_qk = a.headdim + -a.headdim % align
-    width_v = hd + -hd % align
+    width_qk = _fp8.kernel_headdim(a.dtype, a.headdim)
+    width_v = _fp8.kernel_headdim(a.dtype, hd)
     if q.device.type != "cpu" and width_qk != width_v:
         width_qk = width_v = max(width_qk, width_v)
     pad = _fp8.pad_headdim if fp8 else _pad_headdim

@@ -75,9 +75,8 @@ template <class T, class Table>
 __global__ void __launch_bounds__(kThreads) kvcache_update_kernel(KVCacheUpdateParams p) {
     constexpr bool kRotates = !std::is_same_v<T, uint8_t>;
     const index_t kv_elems = index_t(p.batch) * p.seqlen_new * p.nheads_k * p.headdim;
-    const index_t q_elems = !kRotates || p.q_rot == nullptr
-                                ? 0
-                                : index_t(p.batch) * p.seqlen_q * p.nheads * p.headdim;
+    const index_t q_elems =
+        p.q_rot == nullptr ? 0 : index_t(p.batch) * p.seqlen_q * p.nheads * p.headdim;
     const index_t total = p.batch + 2 * kv_elems + q_elems;
     // 64-bit: cache_seqlens + seqlen_new may pass INT_MAX.
     auto first_row = [&](int b) {

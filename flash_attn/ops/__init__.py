@@ -732,8 +732,7 @@ def _kvcache_update_cuda(k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen
                          q_rows_advance, block_table=None, cache_leftpad=None) -> Tensor:
     # The attention after the update needs a forward kernel (FP8: an sm90 GPU): refused before
     # the caches are written, not after.
-    align = _fp8.HEADDIM_ALIGN if q.dtype in _fp8.FP8_DTYPES else 8
-    require_kernel("fwd", q.dtype, q.shape[-1] + -q.shape[-1] % align, q.device)
+    require_kernel("fwd", q.dtype, _fp8.kernel_headdim(q.dtype, q.shape[-1]), q.device)
     return load_extension().kvcache_update(
         k_cache, v_cache, q_rot, q, k, v, cache_seqlens, seqlen_offset, cache_batch_idx,
         rotary_cos, rotary_sin, rotary_interleaved, q_rows_advance, block_table,
