@@ -635,13 +635,15 @@ void check_e4m3(bool e4m3, const Tensor& q, const Problem& pb,
     FA_CHECK(pb.headdim % 16 == 0, "flash_attn: float8_e4m3fn inputs need a head dim that is a "
                                    "multiple of 16 (rows of whole 16-byte pieces), got ",
              pb.headdim);
-    if (block_table.has_value() || alibi_slopes.has_value() || leftpad_k.has_value() ||
-        dropout_p > 0.0) {
+    // Pages of other sizes, and a left pad with pages, run on the SM80 kernels only.
+    const bool paged_sm80 =
+        block_table.has_value() && (pb.page_size % 8 != 0 || leftpad_k.has_value());
+    if (paged_sm80 || alibi_slopes.has_value() || dropout_p > 0.0) {
         raise_not_implemented("flash_attn: float8_e4m3fn inputs run the SM90 forward without ",
-                              block_table.has_value() ? "a paged KV cache (block_table)"
+                              paged_sm80 ? "pages that are not a multiple of 8 rows, or "
+                                           "leftpad_k with pages"
                               : alibi_slopes.has_value() ? "ALiBi"
-                              : leftpad_k.has_value() ? "leftpad_k"
-                                                      : "dropout");
+                                                         : "dropout");
     }
     const cudaDeviceProp* props = &current_device_properties();
     if (props->major != 9 || props->minor != 0) {

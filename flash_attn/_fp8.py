@@ -15,10 +15,12 @@ arguments, so every path, torch.compile's included, sees the same FP8 call):
 * CUDA: the SM90 (H100-class, compute capability 9.0) forward kernels take the e4m3 tensors
   and the descales as they are (``flash_attn_cuda.fwd``'s trailing ``q_descale``,
   ``k_descale``, ``v_descale``): batched and varlen, causal, sliding window, softcap, GQA/MQA,
-  a learnable sink, and ``flash_attn_with_kvcache`` on e4m3 caches (the new rows appended as
-  they are, ``cache_seqlens``, ``cache_batch_idx``). Other GPUs have no FP8 kernels
-  (NotImplementedError), nor do alibi_slopes, dropout_p > 0, return_attn_probs=True, a v head
-  dim other than q's (MLA), a paged K/V (block_table) or ``cache_leftpad`` on CUDA. Head dims
+  a learnable sink, a paged K/V (block_table) in pages of a multiple of 8 rows, and
+  ``flash_attn_with_kvcache`` on e4m3 caches (the new rows appended as they are,
+  ``cache_seqlens``, ``cache_batch_idx``, ``cache_leftpad`` without pages). Other GPUs have no
+  FP8 kernels (NotImplementedError), nor do alibi_slopes, dropout_p > 0,
+  return_attn_probs=True, a v head dim other than q's (MLA), pages of other sizes or
+  ``cache_leftpad`` with pages on CUDA (those run on the SM80 kernels in bf16/fp16). Head dims
   are zero-padded to a multiple of 16 (16 bytes of e4m3, the TMA's alignment).
 * CPU: the reference runs every option of a float32 call on the dequantized inputs (paged and
   indexed K/V included: a sequence keeps its own descales whichever cache rows it reads), then
@@ -82,14 +84,15 @@ def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
 
 def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, headdim: int,
                headdim_v: int, q_descale, k_descale, v_descale, dropout_p: float,
-               alibi_slopes, return_attn_probs: bool, paged: bool, leftpad: bool = False,
+               alibi_slopes, return_attn_probs: bool, page_size: int, leftpad: bool = False,
                rotary: bool = False
                ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The FP8 rules of a validated attention call (q, k, v, shapes and options already
     checked, q, k and v of one dtype): the descales as the op takes them, None for a call
     that is not FP8 (which must pass none). Raises NotImplementedError for what no path
-    implements with FP8 inputs (see the module docstring). `paged`: a block_table is given;
-    `leftpad`: cache_leftpad; `rotary`: flash_attn_with_kvcache's rotary tables."""
+    implements with FP8 inputs (see the module docstring). `page_size`: rows per page of a
+    paged K/V (block_table), 0 without one; `leftpad`: cache_leftpad; `rotary`:
+    flash_attn_with_kvcache's rotary tables."""
     if q.dtype not in FP8_DTYPES:
         check_no_descale(fn, q_descale, k_descale, v_descale)
         return None, None, None
@@ -106,8 +109,9 @@ def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, 
             ("return_attn_probs=True", return_attn_probs),
             (f"a v head dim other than q's ({headdim_v} != {headdim}, MLA)",
              headdim_v != headdim),
-            ("a paged K/V (block_table)", paged),
-            ("cache_leftpad", leftpad),
+            (f"pages of {page_size} rows (a multiple of 8 runs)",
+             page_size > 0 and page_size % 8 != 0),
+            ("cache_leftpad together with block_table", page_size > 0 and leftpad),
         ) if given]
         if missing:
             raise NotImplementedError(

@@ -584,7 +584,7 @@ def validate_qkv(
     batch = q.shape[0]
     descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
                                q_descale, k_descale, v_descale, drop, alibi_slopes,
-                               return_attn_probs, False)
+                               return_attn_probs, 0)
     return AttnArgs(
         varlen=False, batch=batch, seqlen_q=q.shape[1], seqlen_k=k.shape[1],
         total_q=None, total_k=None, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
@@ -687,7 +687,7 @@ def validate_varlen_qkv(
     )
     descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, v.shape[-1],
                                q_descale, k_descale, v_descale, drop, alibi_slopes,
-                               return_attn_probs, paged)
+                               return_attn_probs, k.shape[1] if paged else 0)
     check_values = device_type == "cpu" or (device_type == "cuda" and check_inputs_enabled())
     if check_values and not _is_compiling():
         _check_cu_seqlens_values(fn, cq, cu_seqlens_q, q.shape[0], nq, "total_q", max_names[0],
@@ -906,7 +906,8 @@ def validate_kvcache(
             )
     descales = _fp8.check_call(fn, q, device_type, batch, nheads_k, headdim, headdim,
                                q_descale, k_descale, v_descale, 0.0, alibi_slopes, False,
-                               block_table is not None, cache_leftpad is not None,
+                               0 if block_table is None else k_cache.shape[1],
+                               cache_leftpad is not None,
                                rotary_cos is not None or rotary_sin is not None)
     lens_interval = f"[0, seqlen_cache - seqlen_new] = [0, {seqlen_cache - seqlen_new}]"
     if cache_seqlens is not None:

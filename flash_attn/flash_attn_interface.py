@@ -229,10 +229,10 @@ _FP8_ARGS_DOC = """
             [b, h // (nheads // nheads_k)] (its key/value head's); None means 1. The output is
             bfloat16 (softmax_lse float32). On CUDA the SM90 kernels run it (H100-class GPUs
             only; others raise NotImplementedError): batched and varlen, causal, window,
-            softcap, MQA/GQA, the learnable sink; alibi_slopes, dropout_p > 0,
-            return_attn_probs=True, a v head dim other than q's and a paged K/V
-            (block_table) raise NotImplementedError there (CPU tensors run all of them on
-            the reference, in float32). A backward through an FP8 call raises
+            softcap, MQA/GQA, the learnable sink, a paged K/V (block_table) in pages of a
+            multiple of 8 rows; alibi_slopes, dropout_p > 0, return_attn_probs=True, a v
+            head dim other than q's and other page sizes raise NotImplementedError there (CPU
+            tensors run all of them on the reference, in float32). A backward through an FP8 call raises
             NotImplementedError on both devices."""
 
 _MASK_DOC = """
@@ -763,11 +763,12 @@ flash_attn_with_kvcache.__doc__ = """
             the new rows included, which are written into the caches as they are (quantized
             by the caller for sequence b's k_descale / v_descale row; sequences that share
             cache rows with different descale rows read them at different scales). The
-            output is bfloat16. On CUDA: with cache_seqlens and cache_batch_idx (GQA is not
-            packed and the keys are not split over SMs, so small-batch decode leaves SMs
-            idle); block_table and cache_leftpad raise NotImplementedError there (CPU tensors
-            run them on the reference), rotary_cos / rotary_sin on both devices (the rotated
-            rows would be requantized).
+            output is bfloat16. On CUDA: with cache_seqlens, cache_batch_idx, cache_leftpad
+            and pages of a multiple of 8 rows (GQA is not packed and the keys are not split
+            over SMs, so small-batch decode leaves SMs idle); other page sizes and
+            cache_leftpad with block_table raise NotImplementedError there (CPU tensors run
+            them on the reference), rotary_cos / rotary_sin on both devices (the rotated rows
+            would be requantized).
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).

@@ -230,8 +230,8 @@ def test_kvcache_appends_and_keeps_each_sequences_descale(indexed):
 
 
 def test_pages_and_leftpad_on_the_reference():
-    """CPU: a paged K/V (varlen and flash_attn_with_kvcache) and cache_leftpad run on the
-    reference with each sequence's descales (CUDA refuses them, test_cuda_unsupported_kvcache)."""
+    """CPU: a paged K/V (varlen and flash_attn_with_kvcache) and cache_leftpad, with pages too,
+    run on the reference with each sequence's descales."""
     torch.manual_seed(3)
     b, h, hk, d, page, pages_per_seq = 2, 2, 1, 16, 4, 3
     pages_k, pages_v = (torch.randn(b * pages_per_seq, page, hk, d).to(E4M3)
@@ -340,26 +340,36 @@ def test_cuda_unsupported_combinations(fake_cuda, what):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
-@pytest.mark.parametrize("what", ["block_table", "cache_leftpad"])
+@pytest.mark.parametrize("what", ["pages of 12", "leftpad with pages"])
 def test_cuda_unsupported_kvcache(fake_cuda, what):
-    """On CUDA an FP8 cache runs with cache_seqlens and cache_batch_idx (out bfloat16 from the
-    op's fake); a paged cache and cache_leftpad raise NotImplementedError naming them."""
+    """On CUDA an FP8 cache runs with cache_seqlens, cache_batch_idx, cache_leftpad and pages of
+    a multiple of 8 rows (out bfloat16 from the op's fake); pages of other sizes and
+    cache_leftpad with pages (the SM80 kernels' cases) raise NotImplementedError naming them."""
     with fake_cuda:
         q = torch.empty(2, 1, 4, 64, device="cuda", dtype=E4M3)
         cache = torch.empty(3, 64, 2, 64, device="cuda", dtype=E4M3)
         new = torch.empty(2, 1, 2, 64, device="cuda", dtype=E4M3)
         lens = torch.empty(2, dtype=torch.int32, device="cuda")
         qd = torch.ones(2, 2, device="cuda")
-        out = flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=lens,
-                                      cache_batch_idx=lens, q_descale=qd, v_descale=qd)
-        assert out.shape == (2, 1, 4, 64) and out.dtype == torch.bfloat16
-        if what == "block_table":
-            cache = torch.empty(8, 16, 2, 64, device="cuda", dtype=E4M3)
-            kw = dict(block_table=torch.zeros(2, 4, dtype=torch.int32, device="cuda"))
+        table = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+        pages16 = torch.empty(8, 16, 2, 64, device="cuda", dtype=E4M3)
+        # (with cache_batch_idx: no slice of the cache, which fake CUDA tensors of a CPU build
+        # cannot take)
+        for kw in (dict(cache_batch_idx=lens), dict(cache_batch_idx=lens, cache_leftpad=lens)):
+            out = flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=lens,
+                                          q_descale=qd, v_descale=qd, **kw)
+            assert out.shape == (2, 1, 4, 64) and out.dtype == torch.bfloat16
+        out = flash_attn_with_kvcache(q, pages16, pages16.clone(), cache_seqlens=lens,
+                                      block_table=table)
+        assert out.dtype == torch.bfloat16
+        if what == "pages of 12":
+            pages, kw = torch.empty(8, 12, 2, 64, device="cuda", dtype=E4M3), {}
+            match = "pages of 12 rows"
         else:
-            kw = dict(cache_leftpad=lens)
-        with pytest.raises(NotImplementedError, match=f"CUDA FP8 .*{what}"):
-            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, **kw)
+            pages, kw = pages16, dict(cache_leftpad=lens)
+            match = "cache_leftpad together with block_table"
+        with pytest.raises(NotImplementedError, match=f"CUDA FP8 .*{match}"):
+            flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=table, **kw)
 
 
 class _FakeExt:

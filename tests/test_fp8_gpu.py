@@ -649,21 +649,23 @@ def test_unsupported_options_raise(what):
         flash_attn_func(q, q, v, **kw)
 
 
-def test_paged_leftpad_and_rotary_raise():
-    """A paged K/V and cache_leftpad are refused on CUDA, naming them; rotary tables on FP8
-    caches on any device."""
+def test_unsupported_pages_leftpad_and_rotary_raise():
+    """Pages that are not a multiple of 8 rows and cache_leftpad with pages (the SM80 kernels'
+    cases) are refused on CUDA, naming them; rotary tables on FP8 caches on any device."""
     q = rand_fp8(8, 2, 64)
-    pages = rand_fp8(4, 16, 2, 64)
+    pages = rand_fp8(4, 12, 2, 64)
     cu = cu_seqlens([8])
     table = torch.zeros(1, 2, dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(NotImplementedError, match="pages of 12 rows"):
         flash_attn_varlen_func(q, pages, pages, cu, cu, 8, 8, block_table=table)
     qb, cache = rand_fp8(1, 1, 2, 64), rand_fp8(1, 32, 2, 64)
     lens = torch.tensor([4], dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(NotImplementedError, match="pages of 12 rows"):
         flash_attn_with_kvcache(qb, pages, pages, cache_seqlens=lens, block_table=table)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        flash_attn_with_kvcache(qb, cache, cache, cache_seqlens=lens, cache_leftpad=lens - 2)
+    pages16 = rand_fp8(4, 16, 2, 64)
+    with pytest.raises(NotImplementedError, match="cache_leftpad together with block_table"):
+        flash_attn_with_kvcache(qb, pages16, pages16, cache_seqlens=lens, block_table=table,
+                                cache_leftpad=lens - 2)
     new = rand_fp8(1, 1, 2, 64)
     table_ro = torch.ones(64, 32, device="cuda")
     with pytest.raises(NotImplementedError, match="rotary"):
@@ -677,50 +679,109 @@ KV_CASES = [  # (seqlen_q, seqlen_new, seqlen_cache, mask)
     (3, 0, 77, "full"),  # no append
     (16, 2, 520, "window"),
 ]
+KV_LAYOUTS = ["direct", "batch_idx", "leftpad", "pages8", "pages16", "pages64", "pages256"]
+
+
+class _Caches(NamedTuple):
+    """A case's caches as the call takes them, and sequence i's logical rows (read back from
+    them after the call)."""
+    k: Tensor
+    v: Tensor
+    kw: dict  # cache_batch_idx / block_table / cache_leftpad
+    rows: object  # rows(cache, i) -> (seqlen_cache, hk, d)
+    first: list  # sequence i's first key row
+
+
+def _bytes(x: Tensor) -> Tensor:
+    return x.view(torch.uint8)
+
+
+def _kv_layout(layout: str, k: Tensor, v: Tensor, lens: Tensor) -> _Caches:
+    """k, v: (b, sc, hk, d) logical caches, one per sequence. direct: as they are; batch_idx:
+    scattered into entries of a bigger cache, read through cache_batch_idx; leftpad: sequence
+    i's keys from row first[i] (the rows before it NaN bytes); pagesN: pages of N rows (the
+    cache rounded up to whole pages), shuffled, read through block_table. Gathers and scatters
+    go through byte views. direct and leftpad hand k and v themselves to the call."""
+    b, sc = k.shape[:2]
+    if layout == "direct":
+        return _Caches(k, v, {}, lambda c, i: c[i], [0] * b)
+    if layout == "leftpad":
+        first = [min(int(n), 3 * i) for i, n in enumerate(lens)]
+        for i, f in enumerate(first):  # never read: NaN (0x7f)
+            _bytes(k)[i, :f] = 0x7F
+            _bytes(v)[i, :f] = 0x7F
+        pad = torch.tensor(first, dtype=torch.int32, device="cuda")
+        return _Caches(k, v, dict(cache_leftpad=pad), lambda c, i: c[i], first)
+    if layout == "batch_idx":
+        idx = torch.tensor([4, 0, 2][:b], dtype=torch.int32, device="cuda")
+        big = []
+        for x in (k, v):
+            # Finite bytes (below 0x7e, e4m3's largest) in the entries no one reads.
+            y = torch.randint(0, 0x7E, (5,) + tuple(x.shape[1:]), dtype=torch.uint8,
+                              device="cuda")
+            y[idx.long()] = _bytes(x)
+            big.append(y.view(E4M3))
+        return _Caches(big[0], big[1], dict(cache_batch_idx=idx),
+                       lambda c, i: c[int(idx[i])], [0] * b)
+    page = int(layout[len("pages"):])
+    per_seq = -(-sc // page)
+    table = torch.randperm(b * per_seq, device="cuda").view(b, per_seq).int()
+    paged = []
+    for x in (k, v):
+        whole = torch.zeros((b, per_seq * page) + tuple(x.shape[2:]), dtype=torch.uint8,
+                            device="cuda")
+        whole[:, :sc] = _bytes(x)
+        pages = torch.empty_like(whole).view((b * per_seq, page) + tuple(x.shape[2:]))
+        pages[table.long().flatten()] = whole.view_as(pages)
+        paged.append(pages.view(E4M3))
+    return _Caches(paged[0], paged[1], dict(block_table=table),
+                   lambda c, i: _bytes(c)[table[i].long()].flatten(0, 1)[:sc].view(E4M3),
+                   [0] * b)
 
 
 @pytest.mark.parametrize("sq,snew,sc,mask", KV_CASES,
                          ids=[f"q{a}-new{b}-c{c}-{m}" for a, b, c, m in KV_CASES])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("indexed", [False, True], ids=["direct", "batch_idx"])
-def test_kvcache(d, sq, snew, sc, mask, indexed):
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_kvcache(d, sq, snew, sc, mask, layout):
     """flash_attn_with_kvcache on e4m3 caches: the new rows are written as they are (bytes),
     the other rows untouched, and out / lse meet the bound against the float64 attention of
-    sequence b's rows [0, cache_seqlens[b] + seqlen_new) of its entry, dequantized with row b
-    of the descales. The rows past each sequence hold NaN bytes, which must not reach out (the
-    last key block's V rows past the sequence are cleared). GQA 4:2."""
+    sequence b's rows [first, cache_seqlens[b] + seqlen_new) of its cache, dequantized with row
+    b of the descales, whether the cache is read directly, through cache_batch_idx, from a
+    left pad or from shuffled pages. The rows past each sequence hold NaN bytes, which must
+    not reach out (the last key block's V rows past the sequence are cleared). GQA 4:2."""
     need_fp8(d)
-    torch.manual_seed(d + sq * 3 + sc)
-    b, h, hk, entries = 3, 4, 2, 5
+    torch.manual_seed(d + sq * 3 + sc + len(layout))
+    b, h, hk = 3, 4, 2
     q = rand_fp8(b, sq, h, d)
-    k_cache, v_cache = rand_fp8(entries, sc, hk, d), spread_values(entries, sc, hk, d)
+    k_log, v_log = rand_fp8(b, sc, hk, d), spread_values(b, sc, hk, d)
     lens = torch.tensor([0, sc // 3, sc - snew], dtype=torch.int32, device="cuda")
-    idx = (torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda") if indexed
-           else torch.arange(b, dtype=torch.int32, device="cuda"))
-    for i, e in enumerate(idx.tolist()):  # NaN (0x7f) past what sequence i reads
+    for i in range(b):  # NaN (0x7f) past what sequence i reads
         end = int(lens[i]) + snew
-        k_cache.view(torch.uint8)[e, end:] = 0x7F
-        v_cache.view(torch.uint8)[e, end:] = 0x7F
+        k_log.view(torch.uint8)[i, end:] = 0x7F
+        v_log.view(torch.uint8)[i, end:] = 0x7F
+    c = _kv_layout(layout, k_log, v_log, lens)
+    before_k, before_v = k_log.clone(), v_log.clone()  # direct, leftpad: the caches themselves
     k_new, v_new = (rand_fp8(b, snew, hk, d) for _ in range(2)) if snew else (None, None)
     qd, kd, vd = (rand_descale(b, hk) for _ in range(3))
-    before_k, before_v = k_cache.clone(), v_cache.clone()
     causal, window = MASKS[mask]
     out, lse = flash_attn_with_kvcache(
-        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-        cache_batch_idx=idx if indexed else None, causal=causal, window_size=window,
-        return_softmax_lse=True, q_descale=qd, k_descale=kd, v_descale=vd)
+        q, c.k, c.v, k_new, v_new, cache_seqlens=lens, causal=causal, window_size=window,
+        return_softmax_lse=True, q_descale=qd, k_descale=kd, v_descale=vd, **c.kw)
     scale = d ** -0.5
-    for i, e in enumerate(idx.tolist()):
+    for i in range(b):
         start, end = int(lens[i]), int(lens[i]) + snew
-        for cache, before, new in ((k_cache, before_k, k_new), (v_cache, before_v, v_new)):
-            got, was = cache.view(torch.uint8)[e], before.view(torch.uint8)[e]
+        for cache, before, new in ((c.k, before_k, k_new), (c.v, before_v, v_new)):
+            got, was = c.rows(cache, i).view(torch.uint8), before[i].view(torch.uint8)
             if snew:
                 assert torch.equal(got[start:end], new.view(torch.uint8)[i]), "new rows"
             assert torch.equal(got[:start], was[:start]) and torch.equal(got[end:], was[end:])
         one = lambda x: x[i:i + 1]  # noqa: E731
-        ref = reference_dense(one(q), k_cache[e:e + 1, :end], v_cache[e:e + 1, :end], one(qd),
-                              one(kd), one(vd), scale=scale, causal=causal, window=window)
-        check(out[i:i + 1], lse[i:i + 1], ref, f"kvcache d{d} seq {i}")
+        keys = slice(c.first[i], end)
+        ref = reference_dense(one(q), c.rows(c.k, i)[None, keys], c.rows(c.v, i)[None, keys],
+                              one(qd), one(kd), one(vd), scale=scale, causal=causal,
+                              window=window)
+        check(out[i:i + 1], lse[i:i + 1], ref, f"kvcache {layout} d{d} seq {i}")
 
 
 def test_other_gpus_and_force_sm80_raise(monkeypatch):
