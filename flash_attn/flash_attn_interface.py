@@ -764,8 +764,8 @@ flash_attn_with_kvcache.__doc__ = """
             by the caller for sequence b's k_descale / v_descale row; sequences that share
             cache rows with different descale rows read them at different scales). The
             output is bfloat16. On CUDA: with cache_seqlens, cache_batch_idx, cache_leftpad
-            and pages of a multiple of 8 rows (GQA is not packed and the keys are not split
-            over SMs, so small-batch decode leaves SMs idle); other page sizes and
+            and pages of a multiple of 8 rows (GQA packed and the keys split over SMs as for
+            bfloat16); other page sizes and
             cache_leftpad with block_table raise NotImplementedError there (CPU tensors run
             them on the reference), rotary_cos / rotary_sin on both devices (the rotated rows
             would be requantized).

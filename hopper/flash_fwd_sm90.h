@@ -412,25 +412,24 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr && p.block_table == nullptr;
     const bool plain = !band && batched && whole_clusters<Plain>(p);
-    // e4m3 has the plain and band kernels only (the binding refuses ALiBi and pages there): GQA
-    // runs unpacked.
+    // e4m3 has no ALiBi kernel (the binding refuses ALiBi there).
     if constexpr (!Band::kFp8) {
-        using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
         using Alibi = Sm90FwdTraits<T, kHeadDim, true, false, true>;
         if (p.alibi_slopes != nullptr) {
             launch_fwd_sm90<Alibi>(p, stream);
             return;
         }
-        const bool few_tiles =
-            !plain && split_enabled() &&
-            kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
-                      key_blocks<Band>(p)) > 1;
-        const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
-        if (pack > 0) {
-            p.pack_gqa = pack;
-            launch_fwd_sm90<Packed>(p, stream);
-            return;
-        }
+    }
+    using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    const bool few_tiles =
+        !plain && split_enabled() &&
+        kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
+                  key_blocks<Band>(p)) > 1;
+    const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
+    if (pack > 0) {
+        p.pack_gqa = pack;
+        launch_fwd_sm90<Packed>(p, stream);
+        return;
     }
     if (plain) {
         launch_fwd_sm90<Plain>(p, stream);

@@ -30,8 +30,8 @@ namespace flash {
 // that the others keep their registers. Not packed: a packed tile's rows are of several heads,
 // each with its slope.
 // T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
-// descales in FwdParams), plain and band kernels only, without clusters; V is transposed in
-// shared memory by the producer group's other warps (hopper/fp8_sm90.h).
+// descales in FwdParams), plain, band and packed kernels (no ALiBi), without clusters; V is
+// transposed in shared memory by the producer group's other warps (hopper/fp8_sm90.h).
 template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false>
 struct Sm90FwdTraits {
     using Element = T;
@@ -42,7 +42,7 @@ struct Sm90FwdTraits {
     static constexpr bool kAlibi = kAlibi_;
     static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
-    static_assert(!kFp8 || (!kPackGQA && !kAlibi), "e4m3: plain and band kernels only");
+    static_assert(!kFp8 || !kAlibi, "e4m3: no ALiBi");
     static constexpr Sm90FwdTile kTile =
         kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand) : sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;

@@ -301,11 +301,12 @@ struct Sm90FwdMainloop {
     template <class SmemQ>
     static __device__ void gather_packed_query(FwdParams const& p, SmemQ& sQ, SeqInfo const& seq,
                                                int bidb, int kv_head, Sm90TileGeometry const& g) {
-        constexpr int kChunks = D::value / 8;  // 16-byte chunks per row
+        constexpr int kPer = 16 / int(sizeof(T));  // elements per 16-byte chunk
+        constexpr int kChunks = D::value / kPer;      // chunks per row
         const T* q = static_cast<const T*>(p.q);
         for (int i = int(threadIdx.x) - 128; i < g.rows * kChunks; i += Traits::kConsumerThreads) {
             const int r = i / kChunks;
-            const int c = (i % kChunks) * 8;
+            const int c = (i % kChunks) * kPer;
             const int prow = g.row0 + r;
             const bool in_dim = c < p.headdim;
             const T* src = q + seq.q_offset(p.q_stride, p, bidb, prow / p.pack_gqa,
@@ -316,7 +317,7 @@ struct Sm90FwdMainloop {
         }
         for (int i = int(threadIdx.x) - 128 + g.rows * kChunks; i < kBlockM * kChunks;
              i += Traits::kConsumerThreads) {
-            *reinterpret_cast<uint4*>(&sQ(i / kChunks, (i % kChunks) * 8)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(&sQ(i / kChunks, (i % kChunks) * kPer)) = make_uint4(0, 0, 0, 0);
         }
         cp_async_wait<0>();
         cutlass::arch::fence_view_async_shared();
@@ -395,7 +396,9 @@ struct Sm90FwdMainloop {
         float softcap_prescale = p.softcap_prescale;
         float v_descale = 1.f;
         if constexpr (Traits::kFp8) {
-            const int kv = bidb * p.nheads_k + bidh / (p.nheads / p.nheads_k);
+            // A packed tile's head is its KV head.
+            const int kv = bidb * p.nheads_k +
+                           (Traits::kPackGQA ? bidh : bidh / (p.nheads / p.nheads_k));
             const float qk = (p.q_descale ? p.q_descale[kv] : 1.f) *
                              (p.k_descale ? p.k_descale[kv] : 1.f);
             if (p.softcap > 0.f) {

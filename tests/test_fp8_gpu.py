@@ -368,6 +368,37 @@ def test_batched(d, mask, sq, sk):
     check(out, lse, ref, f"d={d} {mask} sq={sq} sk={sk}")
 
 
+PACK_CASES = [(1, 1000), (5, 300), (77, 2000)]  # (seqlen_q, seqlen_k)
+
+
+@pytest.mark.parametrize("sq,sk", PACK_CASES, ids=[f"q{a}-k{b}" for a, b in PACK_CASES])
+@pytest.mark.parametrize("pack", ["1", "0"], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("layout", ["batched", "varlen"])
+@pytest.mark.parametrize("d", [64, 128, 256, 80], ids=["d64", "d128", "d256", "d80"])
+def test_gqa_packing(d, layout, pack, sq, sk, monkeypatch):
+    """GQA 8:2 with the query heads of a KV head packed into one tile (FLASH_ATTN_PACK_GQA=1:
+    Q gathered by cp.async, the head-dim padding zero-filled (d80: tier 96), the tile's
+    descales those of its KV head, keys split over SMs where tiles are few) and unpacked (=0),
+    causal: both meet the bound."""
+    need_fp8(d)
+    monkeypatch.setenv("FLASH_ATTN_PACK_GQA", pack)
+    torch.manual_seed(d + sq + sk + len(layout))
+    b, h, hk = 3, 8, 2
+    qd, kd, vd = (rand_descale(b, hk) for _ in range(3))
+    if layout == "batched":
+        q, k, v = rand_fp8(b, sq, h, d), rand_fp8(b, sk, hk, d), spread_values(b, sk, hk, d)
+        out, lse = fwd_batched(q, k, v, qd, kd, vd, causal=True)
+        ref = reference_dense(q, k, v, qd, kd, vd, scale=d ** -0.5, causal=True)
+    else:
+        lq, lk = [sq, max(sq - 2, 1), sq + 3], [sk, sk // 2, sk + 17]
+        cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+        q, k = rand_fp8(sum(lq), h, d), rand_fp8(sum(lk), hk, d)
+        v = spread_values(sum(lk), hk, d)
+        out, lse = fwd_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), qd, kd, vd, causal=True)
+        ref = reference_varlen(q, k, v, cu_q, cu_k, qd, kd, vd, scale=d ** -0.5, causal=True)
+    check(out, lse, ref, f"pack={pack} {layout} d={d} sq={sq} sk={sk}")
+
+
 @pytest.mark.parametrize("mask", ["full", "causal", "window"])
 @pytest.mark.parametrize("hk", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
