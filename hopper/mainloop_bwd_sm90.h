@@ -485,10 +485,11 @@ struct Sm90BwdMainloop {
         // Each group's block of the buffer starts free.
         auto give_back = [&](int group) { barrier_arrive(dq_empty(group), kDqSyncThreads); };
         for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) give_back(group);
+        int seen = -1;  // tile m's counter as read while the previous tile's reduction ran
+        int rank = turns.enabled() ? turns.rank(mask, g.m_first, n_block, n_end) : 0;
         for (int m = g.m_first; m < g.m_last; ++m) {
-            const int rank = turns.enabled() ? turns.rank(mask, m, n_block, n_end) : 0;
             float* dst = a.rows.dq_accum + (rows0 + int64_t(m) * kBlockM) * D::value;
-            if (issuer && turns.enabled()) turns.wait(m, rank);
+            if (issuer && turns.enabled()) turns.wait(m, rank, seen);
             __syncwarp();
             const bool more = m + 1 < g.m_last;
             // Each block goes back to its group as soon as the copy engine has read it, so that
@@ -508,12 +509,17 @@ struct Sm90BwdMainloop {
                 if (more && !turns.enabled()) give_back(group);
             }
             if (turns.enabled()) {
+                // The next tile's counter is read while this tile's reduction completes; the
+                // fence below makes a turn seen here an acquire.
+                if (issuer && more) seen = turns.peek(m + 1);
+                const int next_rank = more ? turns.rank(mask, m + 1, n_block, n_end) : 0;
                 if (issuer) {
                     // The next key tile's addition must find this one's done.
                     bulk_wait_done();
                     fence_acq_rel_gpu();
                     turns.pass(m, rank);
                 }
+                rank = next_rank;
                 __syncwarp();
                 if (more) {
                     for (int group = 0; group < Traits::kConsumerWarpGroups; ++group) {

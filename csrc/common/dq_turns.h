@@ -45,6 +45,15 @@ struct DqTurns {
         }
     }
 
+    // wait() after a first look taken earlier (`seen`, from peek): the look's load ran while
+    // other work was in flight, so a turn that had already come costs no second round trip.
+    // peek is relaxed (an acquire load would hold the thread until it returns); the caller
+    // issues a fence.acq_rel.gpu between it and the accesses the turn orders.
+    __device__ int peek(int m) const { return ld_relaxed_gpu(counts + m); }
+    __device__ void wait(int m, int rank, int seen) const {
+        if (seen != rank) wait(m, rank);
+    }
+
     // Called by one thread after its CTA's additions to tile m are complete and, for other
     // threads' additions, fenced and past a barrier.
     __device__ void pass(int m, int rank) const { st_release_gpu(counts + m, rank + 1); }

@@ -11,6 +11,14 @@ __forceinline__ __device__ int ld_acquire_gpu(int const* p) {
     return v;
 }
 
+// A look at a flag that does not wait for its value: a fence.acq_rel.gpu after it makes a value
+// that some release wrote an acquire of that release.
+__forceinline__ __device__ int ld_relaxed_gpu(int const* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __forceinline__ __device__ void st_release_gpu(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
