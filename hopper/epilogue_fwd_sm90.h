@@ -5,8 +5,8 @@
 //    and one thread issues a TMA store; the stage goes back to the producer once the TMA has
 //    read it. The group's own stores then take a few instructions, and the writes to HBM drain
 //    while the next tile runs. The TMA clips rows past seqlen_q and columns past the head dim.
-//  - store_buffered (batched, unpacked tiles, d <= 64): the same through a buffer of its own,
-//    so a group does not wait for the TMA's read until its next tile's store.
+//  - store_buffered (batched, unpacked tiles, d <= 64; e4m3 at d = 128): the same through a
+//    buffer of its own, so a group does not wait for the TMA's read until its next tile's store.
 //  - store (varlen, packed GQA, d = 96, tiles without keys from d = 128): regrouped within each
 //    quad of lanes so that a lane holds 8 neighbouring columns, written with 16-byte stores
 //    predicated on the sequence's rows, so varlen tiles never touch a neighbouring sequence.
@@ -190,7 +190,8 @@ struct Sm90FwdEpilogue {
     }
 
     // Whether tiles leave through the dedicated O buffer (store_buffered): batched, unpacked
-    // tiles, d <= 64. A TMA box of varlen rows would cross into the neighbouring sequences.
+    // tiles, d <= 64 (e4m3: d = 128). A TMA box of varlen rows would cross into the
+    // neighbouring sequences.
     static __device__ bool buffered_output(FwdParams const& p) {
         return Traits::kBufferedOutput && (!Traits::kBand || !p.is_varlen());
     }

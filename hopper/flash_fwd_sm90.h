@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             if (stores && a.p.sink != nullptr) Epilogue::join_sinks(a.p, t.bidh, g, acc_o, lse);
             // The staged and buffered paths are compiled only where the traits have them (not
-            // for e4m3, whose output type differs from its stages'); elsewhere `staged` and
-            // buffered_output are false.
+            // staged for e4m3, whose stages are too small for its 16-bit output); elsewhere
+            // `staged` and buffered_output are false.
             if (staged) {
                 if constexpr (Traits::kStagedOutput) {
                     if (stores) {
