@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="turns per build and shape")
     p.add_argument("--pass", dest="which", choices=["fwd", "bwd"], default="fwd")
     p.add_argument("--deterministic", action="store_true", help="bwd: deterministic=True")
+    p.add_argument("--varlen", action="store_true",
+                   help="the same sequences packed, through cu_seqlens (the band kernels)")
     p.add_argument("--alibi", action="store_true",
                    help="ALiBi slopes 2^(-8 (h + 1) / heads) per head, as in the ALiBi paper")
     return p.parse_args(argv)
@@ -73,13 +75,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_call(ext: Any, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool, deterministic: bool = False,
-              alibi_slopes: torch.Tensor | None = None) -> Callable[[], object]:
+              alibi_slopes: torch.Tensor | None = None,
+              varlen: bool = False) -> Callable[[], object]:
     """The timed call: the forward binding, or the backward binding on this build's own
-    forward output. q, k, v: (batch, seqlen, nheads, headdim); alibi_slopes: (nheads,) fp32."""
-    s, d = q.shape[1], q.shape[-1]
+    forward output. q, k, v: (batch, seqlen, nheads, headdim); alibi_slopes: (nheads,) fp32;
+    varlen: the batch's sequences packed to (batch * seqlen, nheads, headdim), with cu_seqlens."""
+    batch, s, d = q.shape[0], q.shape[1], q.shape[-1]
+    cu = None
+    if varlen:
+        q, k, v = (t.reshape(batch * s, *t.shape[2:]) for t in (q, k, v))
+        cu = torch.arange(0, (batch + 1) * s, s, device=q.device, dtype=torch.int32)
 
     def fwd() -> list[torch.Tensor]:
-        return ext.fwd(q, k, v, None, None, None, s, s, d ** -0.5, causal, -1, -1, 0.0,
+        return ext.fwd(q, k, v, cu, cu, None, s, s, d ** -0.5, causal, -1, -1, 0.0,
                        alibi_slopes=alibi_slopes)
 
     if which == "fwd":
@@ -88,7 +96,7 @@ def make_call(ext: Any, which: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dout = torch.randn_like(out)
 
     def bwd() -> list[torch.Tensor]:
-        return ext.bwd(dout, q, k, v, out, lse, None, None, s, s, d ** -0.5, causal, -1, -1,
+        return ext.bwd(dout, q, k, v, out, lse, cu, cu, s, s, d ** -0.5, causal, -1, -1,
                        0.0, deterministic, alibi_slopes=alibi_slopes)
 
     return bwd
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                 flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
                 if args.which == "bwd":
                     flops *= 2.5
-                calls = {n: make_call(ext, args.which, q, k, v, causal, args.deterministic, slopes)
+                calls = {n: make_call(ext, args.which, q, k, v, causal, args.deterministic, slopes,
+                                      args.varlen)
                          for n, ext in builds.items()}
                 tflops: dict[str, list[float]] = {n: [] for n in names}
                 for _ in range(args.rounds):

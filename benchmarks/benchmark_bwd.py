@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Backward benchmark: ours (the default path, with deterministic=True, and the SM80 kernels with
-FLASH_ATTN_FORCE_SM80=1),
+"""Backward benchmark: ours (the default path and the SM80 kernels with FLASH_ATTN_FORCE_SM80=1,
+each also with deterministic=True),
 FlashAttention-3 (a library built by ../shared/peers/build_fa3.sh, loaded into this process),
 and PyTorch SDPA's cuDNN and FlashAttention-2 backends, on the same tensors.
 
@@ -101,6 +101,8 @@ def shape_row(d: int, s: int, causal: bool, args, fa3) -> Dict[str, Optional[flo
     if not args.no_sm80:
         os.environ["FLASH_ATTN_FORCE_SM80"] = "1"
         timed("ours-sm80", ours)
+        if not args.no_deterministic:
+            timed("ours-sm80-det", lambda: ours(True))
         del os.environ["FLASH_ATTN_FORCE_SM80"]
     if fa3 is not None:
         o3, lse3, *_ = fa3.fwd(q, k, v, is_causal=causal)
@@ -130,7 +132,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     fa3 = load_fa3(args.fa3)
     names = ["ours"] + ([] if args.no_deterministic else ["ours-det"])
-    names += ([] if args.no_sm80 else ["ours-sm80"]) + (["fa3"] if fa3 else [])
+    sm80 = ["ours-sm80"] + ([] if args.no_deterministic else ["ours-sm80-det"])
+    names += ([] if args.no_sm80 else sm80) + (["fa3"] if fa3 else [])
     names += [] if args.no_sdpa else ["cudnn", "sdpa-flash"]
     causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     lines = [f"Backward TFLOP/s, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}",
