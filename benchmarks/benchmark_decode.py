@@ -10,7 +10,8 @@ attends to the first seqlen_k rows (default settings), with cache_seqlens an int
 tensor, and with cache_batch_idx selecting the batch's entries (every other one, in reverse) of
 a cache of 2 x batch entries: read in place, and, for comparison, gathered into a copy first
 (`k_cache[idx]`, what a kernel without a batch index needs); and on a paged cache (pages of
---pages rows, default 256, in shuffled order, block_table).
+--pages rows, default 256, in shuffled order, block_table; a page size written with a
+trailing "o", e.g. 16o, keeps the pages in order: the same kernel on a contiguous layout).
 
 Shapes: q (batch, seqlen_q, nheads, hdim), k/v (batch, seqlen_k, nheads_k, hdim), bf16 (or
 e4m3 with --dtype e4m3: q, k, v and the caches in float8_e4m3fn with descales of 1, SDPA on their
@@ -46,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", default="32:8,32:4,64:8",
                    help="comma list of nheads:nheads_k (default 32:8,32:4,64:8)")
     p.add_argument("--pages", default="256",
-                   help="comma list of page sizes for the paged cache's columns (default 256)")
+                   help="comma list of page sizes for the paged cache's columns (default 256); "
+                        "a trailing 'o' (16o) keeps the pages in order instead of shuffled")
     p.add_argument("--dtype", choices=["bf16", "e4m3"], default="bf16",
                    help="e4m3: FP8 q, k, v and caches (FlashAttention-3's descales, all 1)")
     p.add_argument("--warmup", type=float, default=25.0, help="ms")
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     flash_attn = import_flash_attn()
-    pages = [int(x) for x in args.pages.split(",")]
+    pages = args.pages.split(",")
     timer_name, timer = make_timer()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {timer_name}, "
           f"batch {args.batch}, hdim {args.hdim}, {args.dtype}, causal")
@@ -88,7 +90,9 @@ def main(argv=None) -> int:
           "speedup | packed, unsplit us | split speedup | packed GB/s | with_kvcache us "
           "| with_kvcache, lengths tensor us | with_kvcache, cache_batch_idx us "
           "| gathered copy us | "
-          + "".join(f"with_kvcache, pages of {page} us | " for page in pages) + "SDPA us |")
+          + "".join(f"with_kvcache, pages of {page.rstrip('o')}"
+                    f"{', in order' if page.endswith('o') else ''} us | " for page in pages)
+          + "SDPA us |")
     print("|---" * (14 + len(pages)) + "|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
@@ -150,17 +154,19 @@ def main(argv=None) -> int:
                             q, raw(k_cache)[idx].view(dt), raw(v_cache)[idx].view(dt), k_new,
                             v_new, cache_seqlens=lens, causal=True, **fkw), timer, args)
                     k_cache = v_cache = None  # freed before the paged caches
-                    for page in pages:
+                    for spec in pages:
+                        page = int(spec.rstrip("o"))
                         blocks = args.batch * 2 * sk // page
-                        table = torch.randperm(blocks, device="cuda").to(torch.int32).reshape(
-                            args.batch, 2 * sk // page)
+                        order = (torch.arange(blocks, device="cuda") if spec.endswith("o")
+                                 else torch.randperm(blocks, device="cuda"))
+                        table = order.to(torch.int32).reshape(args.batch, 2 * sk // page)
                         k_pages = zeros(blocks, page, hk, args.hdim)
                         v_pages = zeros(blocks, page, hk, args.hdim)
                         raw(k_pages)[table.long()] = torch.cat(
                             [raw(k), torch.zeros_like(raw(k))], 1).unflatten(1, (-1, page))
                         raw(v_pages)[table.long()] = torch.cat(
                             [raw(v), torch.zeros_like(raw(v))], 1).unflatten(1, (-1, page))
-                        us[f"paged{page}"] = 1e3 * graphed_ms(
+                        us[f"paged{spec}"] = 1e3 * graphed_ms(
                             lambda: flash_attn.flash_attn_with_kvcache(
                                 q, k_pages, v_pages, k_new, v_new, cache_seqlens=lens,
                                 block_table=table, causal=True, **fkw), timer, args)
