@@ -100,6 +100,10 @@ def feature_paths(kernels: List[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
          (f"SM90 for head-dim tiers {', '.join(map(str, fp8_90))} (forward, bf16 out), "
           f"else {unsupported}") if fp8_90 else f"{unsupported} (no e4m3 kernels built)",
          unsupported),
+        ("FP8 e4m3 KV cache, paged or left-padded",
+         (f"SM90 for pages of a multiple of 8 rows and cache_leftpad without pages, else "
+          f"{unsupported}") if fp8_90 else f"{unsupported} (no e4m3 kernels built)",
+         unsupported),
         ("v head dim != q's (the wider one's kernels, padded)", sm90(fwd90, ""), "SM80"),
     ]
 

@@ -713,4 +713,6 @@ def test_main_lists_features_by_code_path():
     fp8 = lines["FP8 e4m3 inputs (CPU: the reference)"]
     assert "SM90 for head-dim tiers 128, 192 (forward, bf16 out)" in fp8
     assert fp8.count("NotImplementedError") == 2  # other tiers, and 8.x
+    cache = lines["FP8 e4m3 KV cache, paged or left-padded"]
+    assert "SM90 for pages of a multiple of 8 rows and cache_leftpad without pages" in cache
     assert "SM90 for head-dim tiers 64, 128, 256, else SM80" in lines["forward"]
