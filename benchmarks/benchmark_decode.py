@@ -96,24 +96,23 @@ def main(argv=None) -> int:
     print("|---" * (14 + len(pages)) + "|")
     settings = {"0": {"FLASH_ATTN_PACK_GQA": "0"}, "1": {"FLASH_ATTN_PACK_GQA": "1"},
                 "unsplit": {"FLASH_ATTN_PACK_GQA": "1", "FLASH_ATTN_SPLIT": "0"}}
+    fp8 = args.dtype == "e4m3"
+    dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).to(dt)
+
+    def zeros(*shape):
+        # Through bytes: zeros are zero bytes in both dtypes.
+        return torch.zeros(*shape, device="cuda", dtype=torch.uint8 if fp8 else dt).view(dt)
+
+    def raw(x):  # gathers and scatters on bytes (float8 has no indexing kernels)
+        return x.view(torch.uint8) if fp8 else x
+
     torch.manual_seed(0)
     for sk in [int(x) for x in args.seqlens_k.split(",")]:
         for sq in [int(x) for x in args.seqlens_q.split(",")]:
             for h, hk in heads_list(args.heads):
-                fp8 = args.dtype == "e4m3"
-                dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-
-                def rand(*shape):
-                    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).to(dt)
-
-                def zeros(*shape):
-                    # Through bytes: zeros are zero bytes in both dtypes.
-                    return torch.zeros(*shape, device="cuda", dtype=torch.uint8 if fp8 else dt
-                                       ).view(dt)
-
-                def raw(x):  # gathers and scatters on bytes (float8 has no indexing kernels)
-                    return x.view(torch.uint8) if fp8 else x
-
                 q = rand(args.batch, sq, h, args.hdim)
                 k, v = rand(args.batch, sk, hk, args.hdim), rand(args.batch, sk, hk, args.hdim)
                 ones = torch.ones(args.batch, hk, device="cuda")

@@ -615,12 +615,11 @@ void assert_no_overlap(const Tensor& a, const Tensor& b) {
 }
 
 // An e4m3 forward's extra arguments and what it does not support (the Python layer raises the
-// same NotImplementedError first); any other call must pass no descale.
+// same NotImplementedError first); any other call must pass no descale. `sm90_ok`: fwd's rule
+// for whether the call's pages, left pad and dropout fit the SM90 kernels.
 void check_e4m3(bool e4m3, const Tensor& q, const Problem& pb,
-                std::initializer_list<std::optional<Tensor>> descales,
-                const std::optional<Tensor>& block_table,
-                const std::optional<Tensor>& alibi_slopes,
-                const std::optional<Tensor>& leftpad_k, double dropout_p) {
+                std::initializer_list<std::optional<Tensor>> descales, bool sm90_ok,
+                const std::optional<Tensor>& alibi_slopes, double dropout_p) {
     for (const auto& d : descales) {
         if (!d.has_value()) continue;
         FA_CHECK(e4m3, "flash_attn: q_descale, k_descale and v_descale are for float8_e4m3fn "
@@ -635,15 +634,12 @@ void check_e4m3(bool e4m3, const Tensor& q, const Problem& pb,
     FA_CHECK(pb.headdim % 16 == 0, "flash_attn: float8_e4m3fn inputs need a head dim that is a "
                                    "multiple of 16 (rows of whole 16-byte pieces), got ",
              pb.headdim);
-    // Pages of other sizes, and a left pad with pages, run on the SM80 kernels only.
-    const bool paged_sm80 =
-        block_table.has_value() && (pb.page_size % 8 != 0 || leftpad_k.has_value());
-    if (paged_sm80 || alibi_slopes.has_value() || dropout_p > 0.0) {
+    if (!sm90_ok || alibi_slopes.has_value()) {
         raise_not_implemented("flash_attn: float8_e4m3fn inputs run the SM90 forward without ",
-                              paged_sm80 ? "pages that are not a multiple of 8 rows, or "
-                                           "leftpad_k with pages"
+                              dropout_p > 0.0            ? "dropout"
                               : alibi_slopes.has_value() ? "ALiBi"
-                                                         : "dropout");
+                                                         : "pages that are not a multiple of 8 "
+                                                           "rows, or leftpad_k with pages");
     }
     const cudaDeviceProp* props = &current_device_properties();
     if (props->major != 9 || props->minor != 0) {
@@ -673,8 +669,16 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
                                 max_seqlen_k, kv_batch_idx, block_table);
     const Dtype dtype = dtype_of(q_in, /*e4m3=*/true);
     const bool e4m3 = dtype == Dtype::kE4m3;
-    check_e4m3(e4m3, q_in, pb, {q_descale, k_descale, v_descale}, block_table, alibi_slopes,
-               leftpad_k, dropout_p);
+    // The SM90 kernels read a paged K/V by TMA, a key block at a time where pages hold whole
+    // key blocks, else in boxes of as many rows as the page allows (8 to 64: whole swizzle
+    // atoms); pages of other sizes, and a left pad with pages (which moves the rows off those
+    // boundaries), run on the SM80 kernels, which gather a paged block row by row. So does
+    // dropout, which only they draw.
+    const bool sm90_ok =
+        dropout_p <= 0.0 &&
+        (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
+    check_e4m3(e4m3, q_in, pb, {q_descale, k_descale, v_descale}, sm90_ok, alibi_slopes,
+               dropout_p);
     if (sink.has_value()) {
         FA_CHECK(sink->scalar_type() == ScalarType::Float && sink->dim() == 1 &&
                      sink->size(0) == pb.nheads && sink->is_contiguous() &&
@@ -691,14 +695,6 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     torch::stable::accelerator::DeviceGuard guard(q_in.get_device_index());
     const cudaStream_t stream = current_stream(q_in);
     const Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
-    // The SM90 kernels read a paged K/V by TMA, a key block at a time where pages hold whole
-    // key blocks, else in boxes of as many rows as the page allows (8 to 64: whole swizzle
-    // atoms); pages of other sizes, and a left pad with pages (which moves the rows off those
-    // boundaries), run on the SM80 kernels, which gather a paged block row by row. So does
-    // dropout, which only they draw.
-    const bool sm90_ok =
-        dropout_p <= 0.0 &&
-        (pb.page_size == 0 || (pb.page_size % 8 == 0 && !leftpad_k.has_value()));
     const auto& entry = find_kernel(Kind::kFwd, dtype, pb.headdim, sm90_ok);
     check_grid(pb);
 

@@ -232,8 +232,8 @@ _FP8_ARGS_DOC = """
             softcap, MQA/GQA, the learnable sink, a paged K/V (block_table) in pages of a
             multiple of 8 rows; alibi_slopes, dropout_p > 0, return_attn_probs=True, a v
             head dim other than q's and other page sizes raise NotImplementedError there (CPU
-            tensors run all of them on the reference, in float32). A backward through an FP8 call raises
-            NotImplementedError on both devices."""
+            tensors run all of them on the reference, in float32). A backward through an FP8
+            call raises NotImplementedError on both devices."""
 
 _MASK_DOC = """
     If causal=True, the causal mask is aligned to the bottom right corner of the attention
@@ -765,10 +765,9 @@ flash_attn_with_kvcache.__doc__ = """
             cache rows with different descale rows read them at different scales). The
             output is bfloat16. On CUDA: with cache_seqlens, cache_batch_idx, cache_leftpad
             and pages of a multiple of 8 rows (GQA packed and the keys split over SMs as for
-            bfloat16); other page sizes and
-            cache_leftpad with block_table raise NotImplementedError there (CPU tensors run
-            them on the reference), rotary_cos / rotary_sin on both devices (the rotated rows
-            would be requantized).
+            bfloat16); other page sizes and cache_leftpad with block_table raise
+            NotImplementedError there (CPU tensors run them on the reference), rotary_cos /
+            rotary_sin on both devices (the rotated rows would be requantized).
 
     Return:
         out: (batch_size, seqlen, nheads, headdim).
