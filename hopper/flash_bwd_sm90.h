@@ -14,6 +14,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cute/tensor.hpp>
 
@@ -217,11 +218,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
     // Key tiles first, so that a causal grid starts with the tiles most query rows see (in
-    // deterministic mode the highest first: key_tile_of_launch).
+    // deterministic mode the highest first: key_tile_of_launch, and with a.head_group > 1 a
+    // group of heads' highest tiles, then their next ones).
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    const int n_block = key_tile_of_launch(int(blockIdx.x % n_blocks), n_blocks, p.deterministic);
-    const int bidh = int(blockIdx.x / n_blocks) % p.nheads;
-    const int bidb = int(blockIdx.x / n_blocks) / p.nheads;
+    int n_block, head;
+    if (a.head_group > 1) {
+        const int heads = int(p.nheads * p.batch);
+        const int group = int(blockIdx.x) / (a.head_group * n_blocks);
+        const int in_group = min(a.head_group, heads - group * a.head_group);
+        const int i = int(blockIdx.x) - group * a.head_group * n_blocks;
+        n_block = n_blocks - 1 - i / in_group;
+        head = group * a.head_group + i % in_group;
+    } else {
+        n_block = key_tile_of_launch(int(blockIdx.x % n_blocks), n_blocks, p.deterministic);
+        head = int(blockIdx.x / n_blocks);
+    }
+    const int bidh = head % p.nheads;
+    const int bidb = head / p.nheads;
     const SeqInfo seq(p, bidb);
     const Sm90BwdGeometry g = Mainloop::geometry(p, seq, n_block);
     if (g.keys <= 0) return;  // past a varlen sequence's keys: the whole CTA leaves
@@ -262,6 +275,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         if constexpr (Traits::kWide) Sm90BwdEpilogue<Traits>::store_wide(a, ss, seq, bidb, bidh, g);
     }
+}
+
+// Deterministic grids without a mask, whose heads have few key tiles: a head's tiles start
+// together and wait at the first query tile for one another (the one ranked r for r steps),
+// and as a wave's CTAs come from whole heads, every wave repeats that wait (d64 non-causal 1k
+// cost 28% against the default, H100, 2026-11-28; causal tiles start at their diagonal, where
+// none waits, and long heads free their SMs one tile after another). Launched as a group of
+// heads' highest tiles, then their next ones, a tile starts after the one it follows. The
+// group's Q, dO and fp32 dQ, which every tile of its heads reads or adds to, are kept within
+// half of L2. d64 non-causal 1k/4k: deterministic mode then costs 6% instead of 25% (H200).
+template <class Traits>
+int det_head_group(BwdParams const& p) {
+    if (!p.deterministic || p.window_left >= 0 || p.window_right >= 0) return 1;
+    int device = 0, num_sms = 0, l2_bytes = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+    const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    if (2 * n_blocks > num_sms) return 1;
+    constexpr int64_t kRowBytes =
+        Traits::D::value * (2 * sizeof(typename Traits::Element) + sizeof(float)) + 8;
+    const int64_t head_bytes = int64_t(p.seqlen_q) * kRowBytes;
+    const int64_t heads = int64_t(p.nheads) * p.batch;
+    return int(std::max<int64_t>(
+        1, std::min<int64_t>({l2_bytes / 2 / std::max<int64_t>(head_bytes, 1), heads,
+                              int64_t(num_sms)})));
 }
 
 template <class Traits>
@@ -328,6 +367,7 @@ void launch_bwd_sm90(BwdParams& p, cudaStream_t stream) {
                                    tma_out(p.dv, p.dv_stride),
                                    rows,
                                    m_blocks,
+                                   det_head_group<Traits>(p),
                                    rows_q,
                                    rows_k,
                                    batch};
