@@ -51,8 +51,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
     const bool is_producer = int(threadIdx.x / 128) == int(WarpGroupRole::kProducer);
 
+    // Paged K/V in boxes: the producer group's warp 1 loads V (Traits::kValueWarp) and reads
+    // the tile queue too.
+    const bool values_warp = Mainloop::values_in_own_warp(a.p);
     if (threadIdx.x == 0) {
-        ss.tiles.init(Traits::kConsumerThreads / 32 + Traits::kTransposeWarps);
+        ss.tiles.init(Traits::kConsumerThreads / 32 + Traits::kTransposeWarps + int(values_warp));
         ss.keys_read.init(Traits::kConsumerThreads / 32);
         ss.values_read.init(Traits::kConsumerThreads / 32);
     }
@@ -62,7 +65,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                  Traits::kConsumerThreads / 32);
     KPipe k_pipe(ss.k_pipe, pipeline_params<KPipe>(is_producer, Traits::kKVBytes),
                  Traits::kConsumerThreads / 32);
-    VPipe v_pipe(ss.v_pipe, pipeline_params<VPipe>(is_producer, Traits::kKVBytes),
+    VPipe v_pipe(ss.v_pipe,
+                 pipeline_params<VPipe>(is_producer, Traits::kKVBytes, values_warp ? 32 : 0),
                  Traits::kValueReaderWarps);
     auto&& values = values_pipe<Traits>(ss, v_pipe);
     cutlass::arch::fence_barrier_init();
@@ -84,7 +88,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                 return;
             }
         }
-        if (warp != 0) return;  // one warp issues every load
+        if (values_warp && warp == 1) {
+            Mainloop::load_values(a, ss, q_pipe, k_pipe, v_pipe, sched);
+            return;
+        }
+        if (warp != 0) return;  // one warp issues every load (but V's, above)
         auto q_state = cutlass::make_producer_start_state<QPipe>();
         auto k_state = cutlass::make_producer_start_state<KPipe>();
         auto v_state = cutlass::make_producer_start_state<VPipe>();
@@ -117,14 +125,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             const Sm90TileGeometry g = Mainloop::geometry(a.p, seq, t);
             if (g.has_keys()) {
                 Mainloop::load(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq,
-                               t.bidb, t.bidh, t.m_block, t.shared_kv, g);
+                               t.bidb, t.bidh, t.m_block, t.shared_kv, g,
+                               values_warp ? Mainloop::LoadPart::kQueryKeys
+                                           : Mainloop::LoadPart::kAll);
             }
             unit = hand_out(next_with_rows(unit, true));
         }
         // Also keeps this CTA (its barriers) alive until the cluster's last releases arrived.
         q_pipe.producer_tail(q_state);
         k_pipe.producer_tail(k_state);
-        v_pipe.producer_tail(v_state);
+        if (!values_warp) v_pipe.producer_tail(v_state);
     } else {
         cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
         if constexpr (Traits::kPingPong) {

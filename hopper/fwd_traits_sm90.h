@@ -74,16 +74,28 @@ struct Sm90FwdTraits {
     // not the consumers, read (and release) the TMA's V stages.
     static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
-    // setmaxnreg: the producer only issues TMA (e4m3: and transposes V, which spilled at 24
-    // registers: with three consumer groups the 512 threads' 65536 registers leave it 32, with
-    // two it takes 40 and the consumers 232: d256 +16-19% against 24 and 240); the consumers
-    // hold S, P and O.
+    // Band kernels (bf16/fp16), d = 65-128: pages of fewer rows than a key block are loaded in
+    // boxes of a page each, and one warp issuing every K and V box set the pace of small pages
+    // (decode with pages of 16 at 0.67-0.79 of pages of 256; with warp 1 loading V, 0.93-0.95).
+    // There the producer group's warp 1 loads V, warp 0 Q and K (e4m3's warps 1-3 transpose V).
+    // Not at d <= 64 nor in two-group kernels, whose producer keeps 24 registers (below) and
+    // spilled with it.
+    static constexpr bool kValueWarp =
+        kBand && !kFp8 && kConsumerWarpGroups == 3 && kHeadDim > 64;
+    // setmaxnreg: the producer issues TMA, and e4m3's transposes V. With three consumer groups
+    // at 160 the 512 threads' 65536 registers leave the producer 32: at d = 65-128 (and e4m3)
+    // it takes them, as at 24 it spilled its tile setup and paged box arithmetic (d128 band
+    // kernel 260 bytes against 100 at 32); d <= 64 bf16/fp16 keeps 24, as 32 cost its decode
+    // 3-4.5% (16k keys). With two groups, e4m3's producer takes 40 and the consumers 232 (its
+    // transposes spilled at 24: d256 +16-19% against 24 and 240), while bf16/fp16 keep 24 and
+    // 240: their consumers at 232 lost 3-8% at d256 causal 512-2k and non-causal varlen.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
     // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
     // d=128 kernels.
-    static constexpr int kProducerRegs = !kFp8 ? 24 : kConsumerWarpGroups == 3 ? 32 : 40;
-    static constexpr int kConsumerRegs = kConsumerWarpGroups == 2 ? (kFp8 ? 232 : 240) : 160;
+    static constexpr int kProducerRegs =
+        kConsumerWarpGroups == 3 ? (kFp8 || kHeadDim > 64 ? 32 : 24) : kFp8 ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumerWarpGroups == 3 ? 160 : kFp8 ? 232 : 240;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
     static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=

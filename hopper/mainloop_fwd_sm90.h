@@ -1,6 +1,7 @@
 // Mainloop of the SM90 forward for one tile of block_m query rows.
-//   Producer (one warp): TMA loads of Q once per tile and of K and V per key block, each into
-//   its own pipeline of shared-memory stages.
+//   Producer (one warp; two where paged K/V come in boxes, V's on the second): TMA loads of Q
+//   once per tile and of K and V per key block, each into its own pipeline of shared-memory
+//   stages.
 //   Consumers (one warp group per 64 rows): S = Q K^T, score policy (softcap, mask), online
 //   softmax, O += P V. With the tile's `overlap` a group's PV GEMM of block n+1 is in flight
 //   while its softmax of block n runs; with `kPingPong` the warp groups take turns issuing, so
@@ -91,6 +92,17 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- producer ----
 
+    // Whether V's loads run on a warp of their own (Traits::kValueWarp): paged K/V in pages
+    // that do not hold whole key blocks.
+    static __device__ bool values_in_own_warp(FwdParams const& p) {
+        return Traits::kValueWarp && p.block_table != nullptr && p.page_size % kBlockN != 0;
+    }
+
+    // What a call of load() issues: everything, or (values_in_own_warp) Q and K in one warp and
+    // V in another. A run-time argument: as a template argument the producer's copies of load()
+    // spilled more (d64 band kernel at 24 registers: 440 bytes against 344).
+    enum class LoadPart { kAll, kQueryKeys, kValues };
+
     // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies. Q's
     // buffer is acquired after K's first block is issued (its release is the tile's last S
     // GEMM two tiles back with two buffers, the previous tile's with one). `shared_kv`: the
@@ -99,7 +111,10 @@ struct Sm90FwdMainloop {
                                 typename Traits::KPipe& k_pipe, typename Traits::VPipe& v_pipe,
                                 typename Traits::QState& q_state, PipeState& k_state,
                                 PipeState& v_state, SeqInfo const& seq, int bidb, int bidh,
-                                int m_block, bool shared_kv, Sm90TileGeometry const& g) {
+                                int m_block, bool shared_kv, Sm90TileGeometry const& g,
+                                LoadPart part = LoadPart::kAll) {
+        const bool keys = part != LoadPart::kValues;
+        const bool values = part != LoadPart::kQueryKeys;
         FwdParams const& p = a.p;
         const bool issuer = threadIdx.x % 32 == 0;
         // Packed tiles are scheduled per KV head.
@@ -235,19 +250,45 @@ struct Sm90FwdMainloop {
             load_kv(std::false_type{}, v_pipe, v_state, a.tma_v, sV, gV, n);
         };
 
-        load_k(g.n_last - 1);
-        q_pipe.producer_acquire(q_state);
-        if (issuer && !Traits::kPackGQA) {
-            copy(a.tma_q.with(*q_pipe.producer_get_barrier(q_state)), tQg, tQs);
+        if (keys) {
+            load_k(g.n_last - 1);
+            q_pipe.producer_acquire(q_state);
+            if (issuer && !Traits::kPackGQA) {
+                copy(a.tma_q.with(*q_pipe.producer_get_barrier(q_state)), tQg, tQs);
+            }
+            ++q_state;
         }
-        ++q_state;
         // K runs one block ahead of V: an iteration's S GEMM of block n and PV GEMM of block
         // n + 1 free K's stage before V's, so K(n) is issued as soon as its stage frees.
         for (int n = g.n_last - 2; n >= g.n_first; --n) {
-            load_k(n);
-            load_v(n + 1);
+            if (keys) load_k(n);
+            if (values) load_v(n + 1);
         }
-        load_v(g.n_first);
+        if (values) load_v(g.n_first);
+    }
+
+    // The producer group's warp 1 where values_in_own_warp: takes the same units from the tile
+    // queue as the consumers and loads each tile's V blocks.
+    static __device__ void load_values(Args const& a, SharedStorage& ss,
+                                       typename Traits::QPipe& q_pipe,
+                                       typename Traits::KPipe& k_pipe,
+                                       typename Traits::VPipe& v_pipe,
+                                       typename Traits::Scheduler const& sched) {
+        typename Traits::QState q_state;  // untouched: this warp loads V only
+        PipeState k_state;
+        PipeState v_state = cutlass::make_producer_start_state<typename Traits::VPipe>();
+        int taken = 0;
+        for (int unit = ss.tiles.pop(taken++); unit != TileQueue::kDone;
+             unit = ss.tiles.pop(taken++)) {
+            const Tile t = sched.tile(unit);
+            const SeqInfo seq(a.p, t.bidb);
+            const Sm90TileGeometry g = geometry(a.p, seq, t);
+            if (g.has_keys()) {
+                load(a, ss, q_pipe, k_pipe, v_pipe, q_state, k_state, v_state, seq, t.bidb,
+                     t.bidh, t.m_block, t.shared_kv, g, LoadPart::kValues);
+            }
+        }
+        v_pipe.producer_tail(v_state);
     }
 
     // e4m3: the producer group's transposing warps (warp `warp` of kTransposeWarps). They take

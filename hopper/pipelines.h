@@ -65,13 +65,14 @@ class OperandPipeline : public cutlass::PipelineTmaAsync<kStages> {
     typename Base::EmptyBarrier* empty_;
 };
 
-// A pipeline's params for this thread: the producer warp group produces, thread 0 arms the
-// full barriers with `bytes` per stage.
+// A pipeline's params for this thread: the producer warp group produces, thread `leader` (lane
+// 0 of the warp that issues its loads) arms the full barriers with `bytes` per stage.
 template <class Pipe>
-CUTLASS_DEVICE typename Pipe::Params pipeline_params(bool is_producer, uint32_t bytes) {
+CUTLASS_DEVICE typename Pipe::Params pipeline_params(bool is_producer, uint32_t bytes,
+                                                     int leader = 0) {
     typename Pipe::Params params;
     params.role = is_producer ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
-    params.is_leader = threadIdx.x == 0;
+    params.is_leader = int(threadIdx.x) == leader;
     params.transaction_bytes = bytes;
     return params;
 }

@@ -329,12 +329,12 @@ struct TileQueue {
     static constexpr int kDone = -1;
     int unit[kSlots];
     cutlass::arch::ClusterBarrier full[kSlots];   // the producer's lane 0 wrote the slot
-    cutlass::arch::ClusterBarrier empty[kSlots];  // every consumer warp read it
+    cutlass::arch::ClusterBarrier empty[kSlots];  // every reader warp read it
 
-    __device__ void init(int consumer_warps) {
+    __device__ void init(int reader_warps) {
         for (int s = 0; s < kSlots; ++s) {
             full[s].init(1);
-            empty[s].init(consumer_warps);
+            empty[s].init(reader_warps);
         }
     }
 
@@ -349,7 +349,7 @@ struct TileQueue {
         __syncwarp();
     }
 
-    // Every consumer thread, the i-th unit.
+    // Every thread of a reader warp (consumers, e4m3 transposers, paged V loader), the i-th unit.
     __device__ int pop(int i) {
         const int s = i % kSlots;
         full[s].wait((i / kSlots) & 1);
