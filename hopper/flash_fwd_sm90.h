@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
     const bool is_producer = int(threadIdx.x / 128) == int(WarpGroupRole::kProducer);
 
-    // Paged K/V in boxes: the producer group's warp 1 loads V (Traits::kValueWarp) and reads
+    // Paged K/V in boxes (Traits::kValueWarp): the producer group's warp 1 loads V and reads
     // the tile queue too.
-    const bool values_warp = Mainloop::values_in_own_warp(a.p);
+    constexpr bool values_warp = Traits::kValueWarp;
     if (threadIdx.x == 0) {
         ss.tiles.init(Traits::kConsumerThreads / 32 + Traits::kTransposeWarps + int(values_warp));
         ss.keys_read.init(Traits::kConsumerThreads / 32);
@@ -431,6 +431,10 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         }
     }
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
+    // Paged K/V in pages that do not hold whole key blocks come in boxes of a page, whose loads
+    // the kValueWarp kernels (bf16/fp16, d = 65-128) share between two producer warps.
+    constexpr bool kHasValueWarp = !Band::kFp8 && kHeadDim > 64 && kHeadDim <= 128;
+    const bool boxes = p.block_table != nullptr && p.page_size % Band::kBlockN != 0;
     const bool few_tiles =
         !plain && split_enabled() &&
         kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
@@ -438,14 +442,26 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
     if (pack > 0) {
         p.pack_gqa = pack;
+        if constexpr (kHasValueWarp) {
+            if (boxes) {
+                launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, true, false, true>>(p, stream);
+                return;
+            }
+        }
         launch_fwd_sm90<Packed>(p, stream);
         return;
     }
     if (plain) {
         launch_fwd_sm90<Plain>(p, stream);
-    } else {
-        launch_fwd_sm90<Band>(p, stream);
+        return;
     }
+    if constexpr (kHasValueWarp) {
+        if (boxes) {
+            launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, false, false, true>>(p, stream);
+            return;
+        }
+    }
+    launch_fwd_sm90<Band>(p, stream);
 }
 
 }  // namespace flash

@@ -29,10 +29,18 @@ namespace flash {
 // kAlibi: the band kernel with ALiBi's bias added to the scores, an instantiation of its own so
 // that the others keep their registers. Not packed: a packed tile's rows are of several heads,
 // each with its slope.
+// kValueWarp: the band kernel (packed or not) for paged K/V whose pages do not hold whole key
+// blocks, loaded in boxes of a page each: the producer group's warp 1 loads V, warp 0 Q and K.
+// One warp issuing every box set the pace of small pages (decode with pages of 16 at
+// 0.67-0.79 of pages of 256; with the split, 0.93-0.95). An instantiation of its own: the
+// split's code in the band kernel cost other runs 1-2% (d128 causal 8k). bf16/fp16 at
+// d = 65-128 only: d <= 64 lost 3-4.5% of unpaged decode with its producer at 32 registers
+// (which the split needs), and two-group kernels (d > 128) keep 24 (below).
 // T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
 // descales in FwdParams), plain, band and packed kernels (no ALiBi), without clusters; V is
 // transposed in shared memory by the producer group's other warps (hopper/fp8_sm90.h).
-template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false>
+template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false,
+          bool kValueWarp_ = false>
 struct Sm90FwdTraits {
     using Element = T;
     static constexpr bool kFp8 = std::is_same_v<T, cutlass::float_e4m3_t>;
@@ -43,6 +51,10 @@ struct Sm90FwdTraits {
     static_assert(!kPackGQA || kBand, "packed tiles run on the dynamic schedule");
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
     static_assert(!kFp8 || !kAlibi, "e4m3: no ALiBi");
+    static constexpr bool kValueWarp = kValueWarp_;
+    static_assert(!kValueWarp || (kBand && !kAlibi && !kFp8 && kHeadDim > 64 &&
+                                  kHeadDim <= 128),
+                  "V's own warp: the bf16/fp16 band kernels of d = 65-128");
     static constexpr Sm90FwdTile kTile =
         kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand) : sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
@@ -74,14 +86,6 @@ struct Sm90FwdTraits {
     // not the consumers, read (and release) the TMA's V stages.
     static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
-    // Band kernels (bf16/fp16), d = 65-128: pages of fewer rows than a key block are loaded in
-    // boxes of a page each, and one warp issuing every K and V box set the pace of small pages
-    // (decode with pages of 16 at 0.67-0.79 of pages of 256; with warp 1 loading V, 0.93-0.95).
-    // There the producer group's warp 1 loads V, warp 0 Q and K (e4m3's warps 1-3 transpose V).
-    // Not at d <= 64 nor in two-group kernels, whose producer keeps 24 registers (below) and
-    // spilled with it.
-    static constexpr bool kValueWarp =
-        kBand && !kFp8 && kConsumerWarpGroups == 3 && kHeadDim > 64;
     // setmaxnreg: the producer issues TMA, and e4m3's transposes V. With three consumer groups
     // at 160 the 512 threads' 65536 registers leave the producer 32: at d = 65-128 (and e4m3)
     // it takes them, as at 24 it spilled its tile setup and paged box arithmetic (d128 band

@@ -92,13 +92,7 @@ struct Sm90FwdMainloop {
 
     // ---------------------------------------------------------------- producer ----
 
-    // Whether V's loads run on a warp of their own (Traits::kValueWarp): paged K/V in pages
-    // that do not hold whole key blocks.
-    static __device__ bool values_in_own_warp(FwdParams const& p) {
-        return Traits::kValueWarp && p.block_table != nullptr && p.page_size % kBlockN != 0;
-    }
-
-    // What a call of load() issues: everything, or (values_in_own_warp) Q and K in one warp and
+    // What a call of load() issues: everything, or (Traits::kValueWarp) Q and K in one warp and
     // V in another. A run-time argument: as a template argument the producer's copies of load()
     // spilled more (d64 band kernel at 24 registers: 440 bytes against 344).
     enum class LoadPart { kAll, kQueryKeys, kValues };
@@ -267,8 +261,8 @@ struct Sm90FwdMainloop {
         if (values) load_v(g.n_first);
     }
 
-    // The producer group's warp 1 where values_in_own_warp: takes the same units from the tile
-    // queue as the consumers and loads each tile's V blocks.
+    // The producer group's warp 1 in Traits::kValueWarp kernels: takes the same units from the
+    // tile queue as the consumers and loads each tile's V blocks.
     static __device__ void load_values(Args const& a, SharedStorage& ss,
                                        typename Traits::QPipe& q_pipe,
                                        typename Traits::KPipe& k_pipe,
