@@ -432,8 +432,8 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     }
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
     // Paged K/V in pages that do not hold whole key blocks come in boxes of a page, whose loads
-    // the kValueWarp kernels (bf16/fp16, d = 65-128) share between two producer warps.
-    constexpr bool kHasValueWarp = !Band::kFp8 && kHeadDim > 64 && kHeadDim <= 128;
+    // the kValueWarp kernels (bf16/fp16, d <= 128) share between two producer warps.
+    constexpr bool kHasValueWarp = !Band::kFp8 && kHeadDim <= 128;
     const bool boxes = p.block_table != nullptr && p.page_size % Band::kBlockN != 0;
     const bool few_tiles =
         !plain && split_enabled() &&

@@ -32,10 +32,10 @@ namespace flash {
 // kValueWarp: the band kernel (packed or not) for paged K/V whose pages do not hold whole key
 // blocks, loaded in boxes of a page each: the producer group's warp 1 loads V, warp 0 Q and K.
 // One warp issuing every box set the pace of small pages (decode with pages of 16 at
-// 0.67-0.79 of pages of 256; with the split, 0.93-0.95). An instantiation of its own: the
-// split's code in the band kernel cost other runs 1-2% (d128 causal 8k). bf16/fp16 at
-// d = 65-128 only: d <= 64 lost 3-4.5% of unpaged decode with its producer at 32 registers
-// (which the split needs), and two-group kernels (d > 128) keep 24 (below).
+// 0.67-0.79 of pages of 256; with the split, 0.93-0.96). An instantiation of its own: the
+// split's code in the band kernel cost other runs 1-2% (d128 causal 8k). bf16/fp16 kernels of
+// three consumer groups (d <= 128) only: two-group kernels keep their producer at 24 registers
+// (below), too few for it.
 // T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
 // descales in FwdParams), plain, band and packed kernels (no ALiBi), without clusters; V is
 // transposed in shared memory by the producer group's other warps (hopper/fp8_sm90.h).
@@ -52,9 +52,8 @@ struct Sm90FwdTraits {
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
     static_assert(!kFp8 || !kAlibi, "e4m3: no ALiBi");
     static constexpr bool kValueWarp = kValueWarp_;
-    static_assert(!kValueWarp || (kBand && !kAlibi && !kFp8 && kHeadDim > 64 &&
-                                  kHeadDim <= 128),
-                  "V's own warp: the bf16/fp16 band kernels of d = 65-128");
+    static_assert(!kValueWarp || (kBand && !kAlibi && !kFp8 && kHeadDim <= 128),
+                  "V's own warp: the bf16/fp16 band kernels of d <= 128");
     static constexpr Sm90FwdTile kTile =
         kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand) : sm90_fwd_tile(kHeadDim, kBand);
     static constexpr int kBlockM = kTile.block_m;
@@ -87,10 +86,10 @@ struct Sm90FwdTraits {
     static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
     static constexpr int kValueReaderWarps = kFp8 ? kTransposeWarps : kConsumerThreads / 32;
     // setmaxnreg: the producer issues TMA, and e4m3's transposes V. With three consumer groups
-    // at 160 the 512 threads' 65536 registers leave the producer 32: at d = 65-128 (and e4m3)
-    // it takes them, as at 24 it spilled its tile setup and paged box arithmetic (d128 band
-    // kernel 260 bytes against 100 at 32); d <= 64 bf16/fp16 keeps 24, as 32 cost its decode
-    // 3-4.5% (16k keys). With two groups, e4m3's producer takes 40 and the consumers 232 (its
+    // at 160 the 512 threads' 65536 registers leave the producer 32: at d = 65-128, in e4m3 and
+    // in kValueWarp kernels it takes them, as at 24 it spilled its tile setup and paged box
+    // arithmetic (d128 band kernel 260 bytes against 100 at 32); the other d <= 64 kernels keep
+    // 24, as 32 cost their decode 3-4.5% (16k keys). With two groups, e4m3's producer takes 40 and the consumers 232 (its
     // transposes spilled at 24: d256 +16-19% against 24 and 240), while bf16/fp16 keep 24 and
     // 240: their consumers at 232 lost 3-8% at d256 causal 512-2k and non-causal varlen.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
@@ -98,7 +97,8 @@ struct Sm90FwdTraits {
     // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
     // d=128 kernels.
     static constexpr int kProducerRegs =
-        kConsumerWarpGroups == 3 ? (kFp8 || kHeadDim > 64 ? 32 : 24) : kFp8 ? 40 : 24;
+        kConsumerWarpGroups == 3 ? (kFp8 || kValueWarp || kHeadDim > 64 ? 32 : 24)
+                                 : kFp8 ? 40 : 24;
     static constexpr int kConsumerRegs = kConsumerWarpGroups == 3 ? 160 : kFp8 ? 232 : 240;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
