@@ -365,7 +365,7 @@ struct Sm90BwdArgs {
     Sm90BwdRows rows;
     int m_blocks;  // query tiles per (batch, head): the stride of p.dq_turns
     // Deterministic grids: heads launched in groups of this many, the group's highest key tiles
-    // first, then their next ones (launch_tile); 1: each head's key tiles in a row.
+    // first, then their next ones (flash_bwd_sm90_kernel); 1: each head's key tiles in a row.
     int head_group;
     // Extents of the TMA views: varlen has rows = total and batch = 1.
     int rows_q, rows_k, batch;

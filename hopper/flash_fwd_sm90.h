@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             }
             return u;
         };
-        // Hands unit u to the consumers, or kDone past the schedule's end; returns what it handed.
+        // Hands unit u to the queue's readers (the consumers, and e4m3's transposing warps or
+        // the V warp), or kDone past the schedule's end; returns what it handed.
         int handed = 0;
         auto hand_out = [&](int u) {
             u = sched.valid(u) ? u : TileQueue::kDone;

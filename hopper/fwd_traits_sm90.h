@@ -89,9 +89,10 @@ struct Sm90FwdTraits {
     // at 160 the 512 threads' 65536 registers leave the producer 32: at d = 65-128, in e4m3 and
     // in kValueWarp kernels it takes them, as at 24 it spilled its tile setup and paged box
     // arithmetic (d128 band kernel 260 bytes against 100 at 32); the other d <= 64 kernels keep
-    // 24, as 32 cost their decode 3-4.5% (16k keys). With two groups, e4m3's producer takes 40 and the consumers 232 (its
-    // transposes spilled at 24: d256 +16-19% against 24 and 240), while bf16/fp16 keep 24 and
-    // 240: their consumers at 232 lost 3-8% at d256 causal 512-2k and non-causal varlen.
+    // 24, as 32 cost their decode 3-4.5% (16k keys). With two groups, e4m3's producer takes 40
+    // and the consumers 232 (its transposes spilled at 24: d256 +16-19% against 24 and 240),
+    // while bf16/fp16 keep 24 and 240: their consumers at 232 lost 3-8% at d256 causal 512-2k
+    // and non-causal varlen.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
     // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
@@ -102,6 +103,8 @@ struct Sm90FwdTraits {
     static constexpr int kConsumerRegs = kConsumerWarpGroups == 3 ? 160 : kFp8 ? 232 : 240;
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
+    static_assert(!kValueWarp || kConsumerWarpGroups == 3,
+                  "V's own warp needs the producer's 32 registers beside three consumer groups");
     static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
                   kThreads * (65536 / kThreads / 8 * 8));
 

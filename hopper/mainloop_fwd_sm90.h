@@ -94,7 +94,8 @@ struct Sm90FwdMainloop {
 
     // What a call of load() issues: everything, or (Traits::kValueWarp) Q and K in one warp and
     // V in another. A run-time argument: as a template argument the producer's copies of load()
-    // spilled more (d64 band kernel at 24 registers: 440 bytes against 344).
+    // spilled more (measured when the split was a run-time choice in every band kernel, d64 at
+    // 24 registers: 440 bytes against 344).
     enum class LoadPart { kAll, kQueryKeys, kValues };
 
     // Issues the loads of one tile. Run by one whole warp; lane 0 issues the copies. Q's
@@ -445,8 +446,8 @@ struct Sm90FwdMainloop {
         }
 
         // softcap, ALiBi's bias, then the mask where the block needs one (`may_mask` false: the
-        // caller knows it does not), then the online softmax (`lazy`: blocks after the first keep the running
-        // max unless it moved by a margin).
+        // caller knows it does not), then the online softmax (`lazy`: blocks after the first
+        // keep the running max unless it moved by a margin).
         auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask, auto lazy) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, softcap_prescale);

@@ -319,9 +319,9 @@ struct DynamicTileScheduler {
     }
 };
 
-// Two slots through which the producer warp hands each unit to the consumer warps: the
-// producer may run one unit ahead (it prefetches the next tile's K during this tile's
-// epilogue).
+// Two slots through which the producer warp hands each unit to the consumer warps (and to
+// e4m3's transposing warps or the kValueWarp kernels' V warp): the producer may run one unit
+// ahead (it prefetches the next tile's K during this tile's epilogue).
 // The consumers learn the schedule's end from kDone, not from the scheduler: its test of a split
 // tail's pieces, in the consumer loop, made the d=256 key loop spill.
 struct TileQueue {
