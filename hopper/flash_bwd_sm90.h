@@ -218,23 +218,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
 
     // Key tiles first, so that a causal grid starts with the tiles most query rows see (in
-    // deterministic mode the highest first: key_tile_of_launch, and with a.head_group > 1 a
-    // group of heads' highest tiles, then their next ones).
+    // deterministic mode the highest first, and with a.head_group > 1 a group of heads' highest
+    // tiles, then their next ones: bwd_launch).
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    int n_block, head;
-    if (a.head_group > 1) {
-        const int heads = int(p.nheads * p.batch);
-        const int group = int(blockIdx.x) / (a.head_group * n_blocks);
-        const int in_group = min(a.head_group, heads - group * a.head_group);
-        const int i = int(blockIdx.x) - group * a.head_group * n_blocks;
-        n_block = n_blocks - 1 - i / in_group;
-        head = group * a.head_group + i % in_group;
-    } else {
-        n_block = key_tile_of_launch(int(blockIdx.x % n_blocks), n_blocks, p.deterministic);
-        head = int(blockIdx.x / n_blocks);
-    }
-    const int bidh = head % p.nheads;
-    const int bidb = head / p.nheads;
+    const BwdLaunch launch = bwd_launch(int(blockIdx.x), n_blocks, int(p.nheads * p.batch),
+                                        a.head_group, p.deterministic);
+    const int n_block = launch.n_block;
+    const int bidh = launch.head % p.nheads;
+    const int bidb = launch.head / p.nheads;
     const SeqInfo seq(p, bidb);
     const Sm90BwdGeometry g = Mainloop::geometry(p, seq, n_block);
     if (g.keys <= 0) return;  // past a varlen sequence's keys: the whole CTA leaves

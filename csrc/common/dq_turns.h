@@ -69,4 +69,27 @@ __forceinline__ __device__ int key_tile_of_launch(int launch_index, int n_blocks
     return deterministic ? n_blocks - 1 - launch_index : launch_index;
 }
 
+// The SM90 backward's CTA `launch`: its key tile and its head, counting (batch, head) pairs.
+// A head's key tiles in a row (key_tile_of_launch), or, with `head_group` > 1 (deterministic
+// grids without a mask whose heads have few key tiles), a group of heads' highest tiles, then
+// their next ones. Either way each tile a deterministic tile waits for (its head's higher key
+// tiles) is launched before it (tests/cpp/bwd_launch_order.cu).
+struct BwdLaunch {
+    int n_block;
+    int head;
+};
+__host__ __device__ constexpr BwdLaunch bwd_launch(int launch, int n_blocks, int heads,
+                                                   int head_group, bool deterministic) {
+    if (head_group > 1) {
+        const int group = launch / (head_group * n_blocks);
+        const int left = heads - group * head_group;
+        const int in_group = head_group < left ? head_group : left;
+        const int i = launch - group * head_group * n_blocks;
+        return {n_blocks - 1 - i / in_group, group * head_group + i % in_group};
+    }
+    // Unsigned: the launch index is blockIdx.x, and the kernels' division stays unsigned.
+    const int n = int(unsigned(launch) % unsigned(n_blocks));
+    return {deterministic ? n_blocks - 1 - n : n, int(unsigned(launch) / unsigned(n_blocks))};
+}
+
 }  // namespace flash
