@@ -375,8 +375,8 @@ struct Sm90FwdEpilogue {
             for (int m = 0; m < kGroups / 4; ++m) {
                 const int col = 8 * (4 * m + quad_lane);
                 if (col < p.headdim) {
-                    *reinterpret_cast<uint4*>(row_ptr + col) =
-                        make_uint4(pairs[4 * m], pairs[4 * m + 1], pairs[4 * m + 2], pairs[4 * m + 3]);
+                    *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(
+                        pairs[4 * m], pairs[4 * m + 1], pairs[4 * m + 2], pairs[4 * m + 3]);
                 }
             }
             if (quad_lane == 0) *row_lse = lse[r];

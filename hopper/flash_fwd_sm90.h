@@ -176,7 +176,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             // A piece of a split tile: only the group that merges the pieces stores the rows.
             bool stores = true;
             if constexpr (Traits::kSplitTiles) {
-                if (t.split >= 0) stores = Epilogue::merge_pieces(sched.params.split, t, g, acc_o, lse);
+                if (t.split >= 0) {
+                    stores = Epilogue::merge_pieces(sched.params.split, t, g, acc_o, lse);
+                }
             }
             if (stores && a.p.sink != nullptr) Epilogue::join_sinks(a.p, t.bidh, g, acc_o, lse);
             // The staged and buffered paths are compiled only where the traits have them (not
@@ -341,7 +343,9 @@ void launch_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         }
         counters = 1;
     } else {
-        if (split_enabled()) sched.split = plan_split(Traits::Scheduler::num_units(sched), clusters, blocks);
+        if (split_enabled()) {
+            sched.split = plan_split(Traits::Scheduler::num_units(sched), clusters, blocks);
+        }
         slots = int64_t(sched.split.tail) * Traits::kClusterM;
     }
     const int units = Traits::Scheduler::num_units(sched);

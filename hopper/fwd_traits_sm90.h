@@ -257,11 +257,14 @@ struct Sm90FwdTraits {
         Shape<_64, D>{}));
     // One group's share of MmaPV: its accumulator registers (the same arrangement for every
     // input type), written to the slice with stmatrix (8 x 8 blocks of 16-bit pairs).
-    using MmaPVGroup = decltype(make_tiled_mma(GMMA::rs_op_selector<Out, Out, float, Shape<_64, D, BN>,
-                                                                    GMMA::Major::K, GMMA::Major::MN>()));
-    using StoreOSlice = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Out>{}, MmaPVGroup{}));
-    using GmemOutTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Out const*>(nullptr)),
-                                               std::declval<GmemShape>(), std::declval<GmemStride>()));
+    using MmaPVGroup = decltype(make_tiled_mma(
+        GMMA::rs_op_selector<Out, Out, float, Shape<_64, D, BN>, GMMA::Major::K,
+                             GMMA::Major::MN>()));
+    using StoreOSlice =
+        decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Out>{}, MmaPVGroup{}));
+    using GmemOutTensor =
+        decltype(make_tensor(make_gmem_ptr(static_cast<Out const*>(nullptr)),
+                             std::declval<GmemShape>(), std::declval<GmemStride>()));
     using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemOutTensor>(),
                                         SmemLayoutOSlice{}, Shape<_64, D>{}, _1{}));
 

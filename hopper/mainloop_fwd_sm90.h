@@ -353,7 +353,8 @@ struct Sm90FwdMainloop {
         }
         for (int i = int(threadIdx.x) - 128 + g.rows * kChunks; i < kBlockM * kChunks;
              i += Traits::kConsumerThreads) {
-            *reinterpret_cast<uint4*>(&sQ(i / kChunks, (i % kChunks) * kPer)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(&sQ(i / kChunks, (i % kChunks) * kPer)) =
+                make_uint4(0, 0, 0, 0);
         }
         cp_async_wait<0>();
         cutlass::arch::fence_view_async_shared();
@@ -552,7 +553,9 @@ struct Sm90FwdMainloop {
         k_pipe.consumer_wait(k_state);
         if (v_held) values_wait(n);
         take_turn();
-        if constexpr (!kIdle) wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+        if constexpr (!kIdle) {
+            wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), acc_s);
+        }
         pass_turn();
         warpgroup_wait<0>();
         keys_done(n);
@@ -625,7 +628,9 @@ struct Sm90FwdMainloop {
         Tensor rP_a = p_operand(rP);
         values_wait(n);  // n == n_first - 1 here
         take_turn();
-        if constexpr (!kIdle) wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+        if constexpr (!kIdle) {
+            wgmma_issue<false>(mma_pv, rP_a, tOrV(_, _, _, v_state.index()), acc_o);
+        }
         pass_turn();
         warpgroup_wait<0>();
         // The tile's last V stage, unless the epilogue stages this group's O slice in it.

@@ -179,8 +179,10 @@ __host__ __device__ constexpr void piece_key_blocks(int piece, int pieces, int& 
 }
 
 // Sections of at most `max_heads` heads each, as even as possible.
-__host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_m_blocks, int nheads, int batch,
-                                                 int max_heads, int* counter) {
+__host__ __device__ constexpr TileSchedulerParams make_scheduler_params(int num_m_blocks,
+                                                                        int nheads, int batch,
+                                                                        int max_heads,
+                                                                        int* counter) {
     const int heads = nheads * batch;
     TileSchedulerParams p{};
     p.num_m_blocks = num_m_blocks;
