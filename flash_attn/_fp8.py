@@ -56,11 +56,12 @@ def kernel_headdim(dtype: torch.dtype, d: int) -> int:
     return d + -d % align
 
 
-def is_fp8(x) -> bool:
+def is_fp8(x: object) -> bool:
     return isinstance(x, Tensor) and x.dtype in FP8_DTYPES
 
 
-def _descale(fn: str, name: str, d, batch: int, nheads_k: int, device) -> Optional[Tensor]:
+def _descale(fn: str, name: str, d: object, batch: int, nheads_k: int,
+             device: torch.device) -> Optional[Tensor]:
     """A descale as the op takes it: None (1), or float32 (batch, nheads_k) on q's device,
     made contiguous (an expanded scalar scale, as vLLM passes, is copied)."""
     if d is None:
@@ -75,7 +76,7 @@ def _descale(fn: str, name: str, d, batch: int, nheads_k: int, device) -> Option
     return d.contiguous()
 
 
-def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
+def check_no_descale(fn: str, q_descale: object, k_descale: object, v_descale: object) -> None:
     if q_descale is not None or k_descale is not None or v_descale is not None:
         raise ValueError(
             f"{fn}: q_descale, k_descale and v_descale are for float8_e4m3fn inputs; q is not"
@@ -83,9 +84,9 @@ def check_no_descale(fn: str, q_descale, k_descale, v_descale) -> None:
 
 
 def check_call(fn: str, q: Tensor, device_type: str, batch: int, nheads_k: int, headdim: int,
-               headdim_v: int, q_descale, k_descale, v_descale, dropout_p: float,
-               alibi_slopes, return_attn_probs: bool, page_size: int, leftpad: bool = False,
-               rotary: bool = False
+               headdim_v: int, q_descale: object, k_descale: object, v_descale: object,
+               dropout_p: float, alibi_slopes: Optional[Tensor], return_attn_probs: bool,
+               page_size: int, leftpad: bool = False, rotary: bool = False
                ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The FP8 rules of a validated attention call (q, k, v, shapes and options already
     checked, q, k and v of one dtype): the descales as the op takes them, None for a call

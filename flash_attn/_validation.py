@@ -553,22 +553,22 @@ def _check_sink(fn: str, s_aux, learnable_sink, q: Tensor, nheads: int) -> Optio
 
 def validate_qkv(
     fn: str,
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
+    q: object,
+    k: object,
+    v: object,
+    dropout_p: object = 0.0,
+    softmax_scale: object = None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    softcap: object = 0.0,
+    alibi_slopes: object = None,
+    deterministic: object = False,
+    return_attn_probs: object = False,
+    s_aux: object = None,
+    learnable_sink: object = None,
+    q_descale: object = None,
+    k_descale: object = None,
+    v_descale: object = None,
     names: Sequence[str] = ("q", "k", "v"),
 ) -> AttnArgs:
     """Validate a batched call: q (b, sq, h, d), k/v (b, sk, hk, d), the sink (h,); FP8 q, k, v
@@ -610,7 +610,7 @@ def _check_packed(fn: str, name: str, x, rank: int, layout: str, pack_dim: int, 
         )
 
 
-def validate_qkvpacked(fn: str, qkv, **options) -> AttnArgs:
+def validate_qkvpacked(fn: str, qkv: object, **options: object) -> AttnArgs:
     """qkv (batch, seqlen, 3, nheads, headdim)."""
     _check_packed(fn, "qkv", qkv, 5, "(batch, seqlen, 3, nheads, headdim)", 2, 3)
     return validate_qkv(
@@ -618,7 +618,7 @@ def validate_qkvpacked(fn: str, qkv, **options) -> AttnArgs:
     )
 
 
-def validate_kvpacked(fn: str, q, kv, **options) -> AttnArgs:
+def validate_kvpacked(fn: str, q: object, kv: object, **options: object) -> AttnArgs:
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     _check_tensor(fn, "q", q)
     _check_packed(fn, "kv", kv, 5, "(batch, seqlen_k, 2, nheads_k, headdim)", 2, 2)
@@ -629,27 +629,27 @@ def validate_kvpacked(fn: str, q, kv, **options) -> AttnArgs:
 
 def validate_varlen_qkv(
     fn: str,
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    dropout_p: object = 0.0,
+    softmax_scale: object = None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    softcap: object = 0.0,
+    alibi_slopes: object = None,
+    deterministic: object = False,
+    return_attn_probs: object = False,
+    block_table: object = None,
+    s_aux: object = None,
+    learnable_sink: object = None,
+    q_descale: object = None,
+    k_descale: object = None,
+    v_descale: object = None,
     names: Sequence[str] = ("q", "k", "v"),
     cu_names: Sequence[str] = ("cu_seqlens_q", "cu_seqlens_k"),
     max_names: Sequence[str] = ("max_seqlen_q", "max_seqlen_k"),
@@ -723,7 +723,8 @@ def validate_varlen_qkv(
     )
 
 
-def validate_varlen_qkvpacked(fn: str, qkv, cu_seqlens, max_seqlen, **options) -> AttnArgs:
+def validate_varlen_qkvpacked(fn: str, qkv: object, cu_seqlens: object, max_seqlen: object,
+                              **options: object) -> AttnArgs:
     """qkv (total, 3, nheads, headdim), cu_seqlens (batch + 1,)."""
     _check_packed(fn, "qkv", qkv, 4, "(total, 3, nheads, headdim)", 1, 3)
     return validate_varlen_qkv(
@@ -734,7 +735,14 @@ def validate_varlen_qkvpacked(fn: str, qkv, cu_seqlens, max_seqlen, **options) -
 
 
 def validate_varlen_kvpacked(
-    fn: str, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
+    fn: str,
+    q: object,
+    kv: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    **options: object,
 ) -> AttnArgs:
     """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
     _check_tensor(fn, "q", q)
@@ -814,30 +822,30 @@ def _check_index_values(fn: str, name: str, x: Tensor, end: int, interval: str) 
 
 def validate_kvcache(
     fn: str,
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    k: object = None,
+    v: object = None,
+    rotary_cos: object = None,
+    rotary_sin: object = None,
+    cache_seqlens: object = None,
+    cache_batch_idx: object = None,
+    cache_leftpad: object = None,
+    block_table: object = None,
+    softmax_scale: object = None,
+    causal: object = False,
+    window_size: object = (-1, -1),
+    softcap: object = 0.0,
+    rotary_interleaved: object = True,
+    alibi_slopes: object = None,
+    num_splits: object = 0,
+    return_softmax_lse: object = False,
+    s_aux: object = None,
+    learnable_sink: object = None,
+    q_descale: object = None,
+    k_descale: object = None,
+    v_descale: object = None,
 ) -> KVCacheArgs:
     """q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d) with b_cache >= b, or paged
     (num_blocks, page_block_size, hk, d) with block_table (b, max_num_blocks_per_seq); k / v

@@ -3,6 +3,8 @@ layout ``(total_nnz, ...)`` used by the varlen functions."""
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -96,7 +98,9 @@ class IndexFirstAxisResidual(torch.autograd.Function):
 index_first_axis_residual = IndexFirstAxisResidual.apply
 
 
-def unpad_input(hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tensor = None):
+def unpad_input(
+    hidden_states: Tensor, attention_mask: Tensor, unused_mask: Optional[Tensor] = None
+) -> Tuple[Tensor, Tensor, Tensor, int, Tensor]:
     """
     Arguments:
         hidden_states: (batch, seqlen, ...)
@@ -131,8 +135,9 @@ def unpad_input(hidden_states: Tensor, attention_mask: Tensor, unused_mask: Tens
     )
 
 
-def unpad_input_for_concatenated_sequences(hidden_states: Tensor,
-                                           attention_mask_in_length: Tensor):
+def unpad_input_for_concatenated_sequences(
+    hidden_states: Tensor, attention_mask_in_length: Tensor
+) -> Tuple[Tensor, Tensor, Tensor, int]:
     """Unpad a batch whose rows each hold several short samples packed one after the other
     from the row's start (supervised fine-tuning with packing): each sample becomes its own
     varlen sequence, so attention does not cross samples.

@@ -123,7 +123,8 @@ def _block_random16(seed: int, offset: int, bh: Tensor, row_blocks: int,
 
 
 def dropout_factor(rng_state: Tensor, dropout_p: float, entry0: int, entries: int, nheads: int,
-                   seqlen_q: int, seqlen_k: int, dtype: torch.dtype, device=None) -> Tensor:
+                   seqlen_q: int, seqlen_k: int, dtype: torch.dtype,
+                   device: Optional[torch.device] = None) -> Tensor:
     """(entries, nheads, seqlen_q, seqlen_k): 1 / (1 - p) where the score is kept, 0 where it is
     dropped, for the batch entries (varlen sequences) entry0 .. entry0 + entries - 1."""
     seed, offset = (int(x) for x in rng_state.tolist())
@@ -134,7 +135,8 @@ def dropout_factor(rng_state: Tensor, dropout_p: float, entry0: int, entries: in
 
 
 def dropout_keep_mask(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
-                      seqlen_k: int, dropout_p: float, device=None) -> Tensor:
+                      seqlen_k: int, dropout_p: float,
+                      device: Optional[torch.device] = None) -> Tensor:
     """The keep mask of one call, bool (batch, nheads, seqlen_q, seqlen_k): True where the
     score is kept (for varlen, sequence b's block [:, :, :len_q(b), :len_k(b)] of entry b)."""
     bh = torch.arange(batch * nheads, device=device).view(batch, nheads, 1, 1)

@@ -32,7 +32,7 @@ Notes common to all functions:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, SupportsIndex, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,13 @@ from . import _fp8
 from . import _validation as V
 from . import ops, reference
 from .dropout import new_rng_state
+
+# max_seqlen and other integer arguments: a Python int, a numpy integer or a 0-dim integer
+# tensor, as FlashAttention-2 (and transformers' packed-sequence path) pass them.
+IntLike = SupportsIndex
+# The output, or (out, softmax_lse[, S_dmask]) with return_attn_probs / return_softmax_lse.
+AttnResult = Union[Tensor, Tuple[Tensor, ...]]
+
 
 __all__ = [
     "flash_attn_func",
@@ -267,21 +274,21 @@ _GQA_DOC = """
 
 
 def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_qkvpacked_func"
     a = V.validate_qkvpacked(
         fn, qkv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -316,22 +323,22 @@ flash_attn_qkvpacked_func.__doc__ = (
 
 
 def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_kvpacked_func"
     a = V.validate_kvpacked(
         fn, q, kv, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -366,23 +373,23 @@ flash_attn_kvpacked_func.__doc__ = (
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_func"
     a = V.validate_qkv(
         fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -416,23 +423,23 @@ flash_attn_func.__doc__ = (
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: IntLike,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_varlen_qkvpacked_func"
     a = V.validate_varlen_qkvpacked(
         fn, qkv, cu_seqlens, max_seqlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
@@ -473,26 +480,26 @@ flash_attn_varlen_qkvpacked_func.__doc__ = (
 
 
 def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: IntLike,
+    max_seqlen_k: IntLike,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_varlen_kvpacked_func"
     a = V.validate_varlen_kvpacked(
         fn, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -539,28 +546,28 @@ flash_attn_varlen_kvpacked_func.__doc__ = (
 
 
 def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: IntLike,
+    max_seqlen_k: IntLike,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[Tensor] = None,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_varlen_func"
     a = V.validate_varlen_qkv(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -616,31 +623,31 @@ flash_attn_varlen_func.__doc__ = (
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),  # -1 means infinite context window
-    softcap=0.0,  # 0.0 means deactivated
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-    s_aux=None,
-    learnable_sink=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-):
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    cache_seqlens: Optional[Union[int, Tensor]] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),  # -1 means infinite context window
+    softcap: float = 0.0,  # 0.0 means deactivated
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+) -> AttnResult:
     fn = "flash_attn_with_kvcache"
     c = V.validate_kvcache(
         fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -748,7 +755,8 @@ flash_attn_with_kvcache.__doc__ = """
             Not with cache_batch_idx. Pages of any size >= 1 are read in place: on the Hopper
             kernels where the page is a multiple of 8 rows and cache_leftpad is not given
             (fastest where it holds whole key blocks: 128 rows for headdim <= 128, 96 to 192,
-            80 to 256), else on the SM80 kernels, which gather a key block row by row.""" + _SCORE_ARGS_DOC + """
+            80 to 256), else on the SM80 kernels, which gather a key block row by
+            row.""" + _SCORE_ARGS_DOC + """
         rotary_interleaved: bool. Only applicable if rotary_cos and rotary_sin are passed in.
             If True, rotary embedding will combine dimensions 0 & 1, 2 & 3, etc. If False,
             rotary embedding will combine dimensions 0 & rotary_dim / 2, 1 & rotary_dim / 2 +

@@ -388,9 +388,9 @@ def attention_backward_ref(
     The gradients are the exact gradients of :func:`attention_forward_ref`'s ``out``, recomputed
     from ``q, k, v`` in float32 (float64 for float64 inputs). ``out`` and ``softmax_lse`` are
     accepted for signature parity with ``flash_attn_cuda.bwd`` but are not used (recomputing
-    them in high precision makes this a better reference than trusting a low-precision forward). ``dk``/``dv``
-    are summed over each GQA group. Rows with no kept key contribute nothing. ``sink`` (nheads,)
-    is the forward's learnable sink (it changes the probabilities); its own gradient is
+    them in high precision makes this a better reference than trusting a low-precision
+    forward). ``dk``/``dv`` are summed over each GQA group. Rows with no kept key contribute
+    nothing. ``sink`` (nheads,) is the forward's learnable sink (it changes the probabilities); its own gradient is
     :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse. ``dropout_p`` and
     ``rng_state`` replay the forward's dropout mask.
     """
@@ -563,7 +563,8 @@ def unpage(x: Tensor, block_table: Tensor) -> Tensor:
     return x[pages].flatten(1, 2)
 
 
-def unpad_left(k: Tensor, v: Tensor, seqused_k: Tensor, leftpad_k: Tensor):
+def unpad_left(k: Tensor, v: Tensor, seqused_k: Tensor,
+               leftpad_k: Tensor) -> Tuple[Tensor, Tensor]:
     """A left-padded batched K/V (batch, seqlen_k, nheads_k, headdim) as the kernels read it:
     sequence b's keys are the seqused_k[b] rows from row leftpad_k[b] (seqused_k clamped into
     [0, seqlen_k], leftpad_k into [0, seqlen_k - seqused_k[b]]). Returns (k, v) with those

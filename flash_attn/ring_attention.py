@@ -45,7 +45,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -817,7 +817,7 @@ def ring_flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_softmax_lse: bool = False,
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of ``group`` (context parallelism).
 
     Every rank calls this with its shard; the result is this rank's rows of attention over the
@@ -902,7 +902,7 @@ def ring_flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_softmax_lse: bool = False,
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`ring_flash_attn_func` for sequences packed along the rows: every sequence of the
     batch is sharded across the group on its own (zigzag or contiguous, as ``zigzag`` says), and
     each rank packs its shards of all the sequences (:func:`zigzag_shard_varlen`).

@@ -102,7 +102,16 @@ def test_signatures_match_flash_attention_2():
             f"{sink}, {fp8})",
     }
     for fn, sig in expected.items():
-        assert str(inspect.signature(fn)) == sig, fn.__name__
+        full = inspect.signature(fn)
+        # Names, order and defaults as FlashAttention-2's; every parameter and the return typed.
+        bare = full.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty)
+                        for p in full.parameters.values()],
+            return_annotation=inspect.Signature.empty)
+        assert str(bare) == sig, fn.__name__
+        assert all(p.annotation is not inspect.Parameter.empty
+                   for p in full.parameters.values()), fn.__name__
+        assert full.return_annotation is not inspect.Signature.empty, fn.__name__
         assert fn.__doc__ and "Arguments:" in fn.__doc__ and "Return:" in fn.__doc__
 
 
