@@ -390,9 +390,9 @@ def attention_backward_ref(
     accepted for signature parity with ``flash_attn_cuda.bwd`` but are not used (recomputing
     them in high precision makes this a better reference than trusting a low-precision
     forward). ``dk``/``dv`` are summed over each GQA group. Rows with no kept key contribute
-    nothing. ``sink`` (nheads,) is the forward's learnable sink (it changes the probabilities); its own gradient is
-    :func:`flash_attn.ops.sink_grad`, from out, dout and softmax_lse. ``dropout_p`` and
-    ``rng_state`` replay the forward's dropout mask.
+    nothing. ``sink`` (nheads,) is the forward's learnable sink (it changes the
+    probabilities); its own gradient is :func:`flash_attn.ops.sink_grad`, from out, dout and
+    softmax_lse. ``dropout_p`` and ``rng_state`` replay the forward's dropout mask.
     """
     del out, softmax_lse, max_seqlen_q, max_seqlen_k
     cdt = _compute_dtype(q, k, v, dout, sink)
