@@ -1,4 +1,4 @@
-"""FP8 (e4m3) inputs (issue 30 item 3): the rules of an FP8 call, and the CPU reference's
+"""FP8 (e4m3) inputs: the rules of an FP8 call, and the CPU reference's
 dequantization.
 
 q, k and v in ``torch.float8_e4m3fn`` (all three), with optional ``q_descale``, ``k_descale``,

@@ -1,5 +1,5 @@
 """The attention-dropout mask: which scores are kept, defined once for the CUDA kernels and the
-reference path (issue 29, item 3).
+reference path.
 
 Status: the CPU reference path (flash_attn.reference) and the SM80 CUDA kernels
 (csrc/common/dropout.h, which every GPU runs under dropout) apply it; the SM90 kernels do not

@@ -1,4 +1,4 @@
-"""FP8 (float8_e4m3fn) inputs (issue 30 item 3) without a GPU: the CPU reference's bf16 output
+"""FP8 (float8_e4m3fn) inputs without a GPU: the CPU reference's bf16 output
 against a float32 attention of the same dequantized inputs (x.float() * descale per (batch, kv
 head)), batched and varlen, GQA and causal, the packed variants, padded head dims,
 flash_attn_with_kvcache (appended rows, cache_batch_idx, pages, cache_leftpad); the argument

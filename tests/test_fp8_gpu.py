@@ -1,4 +1,4 @@
-"""FP8 (float8_e4m3fn) forward on the SM90 kernels (issue 30 item 3): out (bfloat16) and lse
+"""FP8 (float8_e4m3fn) forward on the SM90 kernels: out (bfloat16) and lse
 (float32) against a float64 attention of the dequantized inputs ``x.double() * descale``, with
 random descales in [0.5, 2] per (sequence, kv head); batched and varlen, full / causal / sliding
 window, GQA and MQA, head dims 64, 128, 256 and padded ones (80: the kernel's tier 96; 72: the

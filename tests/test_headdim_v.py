@@ -1,7 +1,7 @@
 """A v head dim other than q's and k's (MLA-style 192/128, 128/64, 256/128, and an odd one) on
 the CPU reference path: out (headdim_v wide) and its gradients against an explicit float64
 attention and gradcheck, batched and varlen, GQA and causal, the shapes of everything
-returned, and the head-dim limits a CUDA call gets (issue 30 item 4; the CUDA path is
+returned, and the head-dim limits a CUDA call gets (the CUDA path is
 tests/test_headdim_v_gpu.py).
 """
 
