@@ -279,20 +279,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <class Traits>
 int det_head_group(BwdParams const& p) {
     if (!p.deterministic || p.window_left >= 0 || p.window_right >= 0) return 1;
-    int device = 0;
-    cudaGetDevice(&device);
-    // Read once per device (host work on every deterministic launch otherwise).
-    static std::atomic<int> sms_seen[64] = {}, l2_seen[64] = {};
-    int num_sms = device < 64 ? sms_seen[device].load(std::memory_order_acquire) : 0;
-    int l2_bytes = device < 64 ? l2_seen[device].load(std::memory_order_relaxed) : 0;
-    if (num_sms == 0) {
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-        cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
-        if (device < 64) {
-            l2_seen[device].store(l2_bytes, std::memory_order_relaxed);
-            sms_seen[device].store(num_sms, std::memory_order_release);  // after l2's
-        }
-    }
+    const Sm90Device dev = current_sm90_device();
+    const int num_sms = dev.sms, l2_bytes = dev.l2_bytes;
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     if (2 * n_blocks > num_sms) return 1;
     constexpr int64_t kRowBytes =

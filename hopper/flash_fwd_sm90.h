@@ -273,8 +273,7 @@ int resident_clusters() {
     int clusters = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
     if (clusters > 0) return clusters;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    int num_sms = 0;
-    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    const int num_sms = current_sm90_device().sms;
     clusters = num_sms / kCluster;
     if constexpr (kCluster > 1) {
         // GPCs hold whole clusters: fewer than num_sms / 2 pairs may be resident.
@@ -436,10 +435,20 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
         }
     }
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
-    // Paged K/V in pages that do not hold whole key blocks come in boxes of a page, whose loads
-    // the kValueWarp kernels (bf16/fp16, d <= 128) share between two producer warps.
-    constexpr bool kHasValueWarp = !Band::kFp8 && kHeadDim <= 128;
+    // The band kernel, packed or not. Paged K/V in pages that do not hold whole key blocks come
+    // in boxes of a page, whose loads the kValueWarp kernels (bf16/fp16, d <= 128) share
+    // between two producer warps.
     const bool boxes = p.block_table != nullptr && p.page_size % Band::kBlockN != 0;
+    auto launch_band = [&](auto pack_gqa) {
+        constexpr bool kPack = decltype(pack_gqa)::value;
+        if constexpr (!Band::kFp8 && kHeadDim <= 128) {
+            if (boxes) {
+                launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, kPack, false, true>>(p, stream);
+                return;
+            }
+        }
+        launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, kPack>>(p, stream);
+    };
     const bool few_tiles =
         !plain && split_enabled() &&
         kv_pieces(query_tiles<Band>(p) * p.nheads * p.batch, usable_clusters<Packed>(p),
@@ -447,26 +456,12 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     const int pack = pack_gqa_factor(p, Packed::kBlockM, few_tiles);
     if (pack > 0) {
         p.pack_gqa = pack;
-        if constexpr (kHasValueWarp) {
-            if (boxes) {
-                launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, true, false, true>>(p, stream);
-                return;
-            }
-        }
-        launch_fwd_sm90<Packed>(p, stream);
-        return;
-    }
-    if (plain) {
+        launch_band(std::true_type{});
+    } else if (plain) {
         launch_fwd_sm90<Plain>(p, stream);
-        return;
+    } else {
+        launch_band(std::false_type{});
     }
-    if constexpr (kHasValueWarp) {
-        if (boxes) {
-            launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, false, false, true>>(p, stream);
-            return;
-        }
-    }
-    launch_fwd_sm90<Band>(p, stream);
 }
 
 }  // namespace flash

@@ -64,8 +64,8 @@ struct DqTurns {
 // that cannot start. This relies on CTAs starting in blockIdx order, which CUDA does not
 // promise but the hardware does for a 1-D grid (FlashAttention-3's deterministic mode relies on
 // the same).
-__forceinline__ __device__ int key_tile_of_launch(int launch_index, int n_blocks,
-                                                  bool deterministic) {
+__host__ __device__ constexpr int key_tile_of_launch(int launch_index, int n_blocks,
+                                                     bool deterministic) {
     return deterministic ? n_blocks - 1 - launch_index : launch_index;
 }
 
@@ -88,8 +88,8 @@ __host__ __device__ constexpr BwdLaunch bwd_launch(int launch, int n_blocks, int
         return {n_blocks - 1 - i / in_group, group * head_group + i % in_group};
     }
     // Unsigned: the launch index is blockIdx.x, and the kernels' division stays unsigned.
-    const int n = int(unsigned(launch) % unsigned(n_blocks));
-    return {deterministic ? n_blocks - 1 - n : n, int(unsigned(launch) / unsigned(n_blocks))};
+    return {key_tile_of_launch(int(unsigned(launch) % unsigned(n_blocks)), n_blocks, deterministic),
+            int(unsigned(launch) / unsigned(n_blocks))};
 }
 
 }  // namespace flash
