@@ -14,12 +14,16 @@ flush between repetitions, eager timing adds whatever host time (Python dispatch
 checks) exceeds the flush, which dominates short sequences and varies from run to run.
 `--fwd-timing eager` times plain calls with autograd on. The backward is timed alone, eagerly:
 torch.autograd.grad on a retained graph.
-The SDPA backends get the same tensors as views q.transpose(1, 2).
+The SDPA backends get the same tensors as views q.transpose(1, 2). `--fa3 PATH` adds
+FlashAttention-3 measured live in this process (the library ../shared/peers/build_fa3.sh builds):
+its forward op, and for the backward its backward op on that forward's output and lse, and an
+"ours / best peer" column (the fastest of the measured peers, forward and backward each).
 
 Examples:
     python benchmarks/benchmark_attn.py --quick
     python benchmarks/benchmark_attn.py --json out.json --markdown out.md
     python benchmarks/benchmark_attn.py --hdims 128 --seqlens 2048,16384 --causal 1 --no-bwd
+    python benchmarks/benchmark_attn.py --fa3 build/peers/fa3/hopper/flash_attn_3/_C.abi3.so
 """
 
 from __future__ import annotations
@@ -73,11 +77,16 @@ def parse_args(argv=None):
                    help="skip measuring the bf16 matmul and device-copy ceilings")
     p.add_argument("--json", metavar="PATH", help="write all rows and metadata as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the final table as markdown")
+    p.add_argument("--fa3", metavar="PATH",
+                   help="FlashAttention-3's extension library: adds the live 'fa3' backend")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in args.backends if b not in ALL_BACKENDS]
+    if args.fa3 and "fa3" not in args.backends:
+        args.backends.append("fa3")
+    bad = [b for b in args.backends if b not in ALL_BACKENDS + ("fa3",) or
+           (b == "fa3" and not args.fa3)]
     if bad:
-        p.error(f"unknown backend(s) {bad}; choose from {ALL_BACKENDS}")
+        p.error(f"unknown backend(s) {bad}; choose from {ALL_BACKENDS} (fa3: with --fa3)")
     if "ours" not in args.backends:
         print("note: 'ours' not in --backends: ratios and output checks are left out",
               file=sys.stderr)
@@ -156,6 +165,34 @@ def import_flash_attn():
     return flash_attn
 
 
+class _Fa3Func:
+    """FlashAttention-3's forward and backward ops (torch.ops.flash_attn_3, no autograd of
+    their own) wrapped in an autograd function, so that it is timed like the other backends."""
+
+    @staticmethod
+    def make(ops, causal: bool):
+        import torch
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                out, lse, *_ = ops.fwd(q, k, v, is_causal=causal)
+                ctx.save_for_backward(q, k, v, out, lse)
+                return out
+
+            @staticmethod
+            def backward(ctx, dout):
+                q, k, v, out, lse = ctx.saved_tensors
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                ops.bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, is_causal=causal)
+                return dq, dk, dv
+
+        return Fn.apply
+
+
+_FA3_OPS = None
+
+
 def backend_fn(name: str, causal: bool):
     import torch.nn.functional as F
 
@@ -163,6 +200,8 @@ def backend_fn(name: str, causal: bool):
         flash_attn_func = import_flash_attn().flash_attn_func
 
         return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+    if name == "fa3":
+        return _Fa3Func.make(_FA3_OPS, causal)
 
     def sdpa(q, k, v):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
@@ -176,7 +215,7 @@ def backend_context(name: str):
     """The SDPA backends run under torch.nn.attention.sdpa_kernel (forward and backward)."""
     import contextlib
 
-    if name == "ours":
+    if name in ("ours", "fa3"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -339,13 +378,17 @@ def build_table(rows: List[dict], anchors, args) -> str:
         by_shape.setdefault((r["hdim"], r["seqlen"], r["causal"]), {})[r["backend"]] = r
     use_anchors = args.dtype == "bf16" and args.tokens == 16384 and args.hidden == 2048
     cols = ["hdim", "seqlen", "causal"]
-    names = {"ours": "ours", "sdpa-flash": "FA2 (sdpa-flash)", "sdpa-cudnn": "cuDNN (sdpa)"}
+    names = {"ours": "ours", "sdpa-flash": "FA2 (sdpa-flash)", "sdpa-cudnn": "cuDNN (sdpa)",
+             "fa3": "FA3 (live)"}
+    peers = [b for b in args.backends if b != "ours"]
     for b in args.backends:
         cols.append(f"{names[b]} fwd / bwd")
     if "ours" in args.backends:
         for b in args.backends:
             if b != "ours":
                 cols.append(f"ours / {names[b].split(' ')[0]}")
+        if len(peers) > 1:
+            cols.append("ours / best peer")
     if use_anchors:
         cols += ["FA3* fwd / bwd", "FA4* fwd / bwd"]
         if "ours" in args.backends:
@@ -369,6 +412,11 @@ def build_table(rows: List[dict], anchors, args) -> str:
                 r = per.get(b)
                 cells.append(_pair(_ratio(tf(ours, "fwd_tflops"), tf(r, "fwd_tflops")),
                                    _ratio(tf(ours, "bwd_tflops"), tf(r, "bwd_tflops")), "{:.2f}"))
+            if len(peers) > 1:
+                best = [max((x for x in (tf(per.get(b), key) for b in peers) if x is not None),
+                            default=None) for key in ("fwd_tflops", "bwd_tflops")]
+                cells.append(_pair(_ratio(tf(ours, "fwd_tflops"), best[0]),
+                                   _ratio(tf(ours, "bwd_tflops"), best[1]), "{:.2f}"))
         if use_anchors:
             fa3, fa4 = anchors.get(("fa3", d, s, c)), anchors.get(("fa4", d, s, c))
             batch, heads = args.tokens // s, args.hidden // d
@@ -439,6 +487,10 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     timer_name, timer = make_timer()
     anchors, _notes = load_anchors(args.anchors)
+    if args.fa3:
+        global _FA3_OPS
+        torch.ops.load_library(args.fa3)
+        _FA3_OPS = torch.ops.flash_attn_3
     ceilings = None
     if not args.no_ceilings:
         ceilings = measure_ceilings(timer, dtype)

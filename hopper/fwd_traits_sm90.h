@@ -33,14 +33,18 @@ namespace flash {
 // blocks, loaded in boxes of a page each: the producer group's warp 1 loads V, warp 0 Q and K.
 // One warp issuing every box set the pace of small pages (decode with pages of 16 at
 // 0.67-0.79 of pages of 256; with the split, 0.93-0.96). An instantiation of its own: the
-// split's code in the band kernel cost other runs 1-2% (d128 causal 8k). bf16/fp16 kernels of
-// three consumer groups (d <= 128) only: two-group kernels keep their producer at 24 registers
-// (below), too few for it.
+// split's code in the band kernel cost other runs 1-2% (d128 causal 8k). bf16/fp16; with two
+// consumer groups (d > 128) its producer takes 40 registers and the consumers 232 (below). At
+// d256 power-of-two pages never hold whole 80-key blocks, so all take boxes: decode with pages
+// of 16 / 256 took 576 / 526 us with one loading warp, 386 / 391 with two (16k keys, H200).
+// kShortKeys: the unpacked band kernel at d > 192 on 64-key blocks, for keys up to
+// sm90_short_keys_max (hopper/tile_size.h), an instantiation of its own: longer keys run faster
+// on the wider blocks.
 // T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
 // descales in FwdParams), plain, band and packed kernels (no ALiBi), without clusters; V is
 // transposed in shared memory by the producer group's other warps (hopper/fp8_sm90.h).
 template <class T, int kHeadDim, bool kBand_, bool kPackGQA_ = false, bool kAlibi_ = false,
-          bool kValueWarp_ = false>
+          bool kValueWarp_ = false, bool kShortKeys_ = false>
 struct Sm90FwdTraits {
     using Element = T;
     static constexpr bool kFp8 = std::is_same_v<T, cutlass::float_e4m3_t>;
@@ -52,10 +56,13 @@ struct Sm90FwdTraits {
     static_assert(!kAlibi || (kBand && !kPackGQA), "ALiBi runs on the unpacked band kernel");
     static_assert(!kFp8 || !kAlibi, "e4m3: no ALiBi");
     static constexpr bool kValueWarp = kValueWarp_;
-    static_assert(!kValueWarp || (kBand && !kAlibi && !kFp8 && kHeadDim <= 128),
-                  "V's own warp: the bf16/fp16 band kernels of d <= 128");
-    static constexpr Sm90FwdTile kTile =
-        kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand) : sm90_fwd_tile(kHeadDim, kBand);
+    static_assert(!kValueWarp || (kBand && !kAlibi && !kFp8),
+                  "V's own warp: the bf16/fp16 band kernels");
+    static constexpr bool kShortKeys = kShortKeys_;
+    static_assert(!kShortKeys || (kBand && !kPackGQA && !kAlibi && kHeadDim > 192),
+                  "64-key blocks: the unpacked band kernel of d > 192");
+    static constexpr Sm90FwdTile kTile = kFp8 ? sm90_fwd_tile_fp8(kHeadDim, kBand, kShortKeys)
+                                              : sm90_fwd_tile(kHeadDim, kBand, kShortKeys);
     static constexpr int kBlockM = kTile.block_m;
     static constexpr int kBlockN = kTile.block_n;
     static constexpr int kStages = kTile.stages;
@@ -91,20 +98,19 @@ struct Sm90FwdTraits {
     // arithmetic (d128 band kernel 260 bytes against 100 at 32); the other d <= 64 kernels keep
     // 24, as 32 cost their decode 3-4.5% (16k keys). With two groups, e4m3's producer takes 40
     // and the consumers 232 (its transposes spilled at 24: d256 +16-19% against 24 and 240),
-    // while bf16/fp16 keep 24 and 240: their consumers at 232 lost 3-8% at d256 causal 512-2k
-    // and non-causal varlen.
+    // as do the kValueWarp kernels (two loading warps), while the other bf16/fp16 kernels keep
+    // 24 and 240: their consumers at 232 lost 3-8% at d256 causal 512-2k and non-causal varlen.
     // setmaxnreg only moves registers within the CTA's launch allocation (65536 per SM over
     // kThreads, in steps of 8 per thread: 168 at 384 threads). A split that needs more makes
     // the consumers' increase wait forever: a producer at 32 beside two groups at 240 hung the
     // d=128 kernels.
     static constexpr int kProducerRegs =
         kConsumerWarpGroups == 3 ? (kFp8 || kValueWarp || kHeadDim > 64 ? 32 : 24)
-                                 : kFp8 ? 40 : 24;
-    static constexpr int kConsumerRegs = kConsumerWarpGroups == 3 ? 160 : kFp8 ? 232 : 240;
+                                 : (kFp8 || kValueWarp ? 40 : 24);
+    static constexpr int kConsumerRegs =
+        kConsumerWarpGroups == 3 ? 160 : (kFp8 || kValueWarp ? 232 : 240);
     static_assert(kBlockM == 64 * kConsumerWarpGroups);
     static_assert(kConsumerWarpGroups == 2 || kConsumerWarpGroups == 3);
-    static_assert(!kValueWarp || kConsumerWarpGroups == 3,
-                  "V's own warp needs the producer's 32 registers beside three consumer groups");
     static_assert(128 * (kProducerRegs + kConsumerWarpGroups * kConsumerRegs) <=
                   kThreads * (65536 / kThreads / 8 * 8));
 

@@ -41,11 +41,18 @@ struct Sm90FwdTile {
 // the K/V loads of all but two blocks skipped). Two query tiles sharing each load halve that
 // traffic (d=128 8k 596 -> 610, d=256 8k 647 -> 720). The cluster kernel needs an even number
 // of query tiles in all and no varlen; the band kernel (cluster_m = 1) runs the rest.
-constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
+// short_keys (the unpacked band kernel at d > 192, for keys up to sm90_short_keys_max): 64-key
+// blocks. A short causal tile has few blocks, and the one the diagonal crosses is a larger
+// share of them the larger the block: with every d256 band kernel on 64-key blocks, bf16 causal
+// +5.3 / +6.2 / +3.8 / +0.8% at 512 / 1k / 2k / 4k against 80, -1.1% at 16k. As a kernel of its
+// own up to 2k keys: causal +5.0 / +3.1 / +0.4% at 512 / 1k / 2k, 4k-16k unchanged; non-causal
+// varlen 1k +3.7% (H200, 2026-11-28).
+constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band, bool short_keys = false) {
     return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, true, 1}  // O small: 3 groups x 64 rows
            : d <= 128 ? Sm90FwdTile{192, 128, 2, 3, true, band ? 1 : 2, false}  // 176 KiB
            : d <= 192 ? Sm90FwdTile{128, 96, 2, 2, true, band ? 1 : 2}    // 192 KiB at d=192
-                      : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
+           : short_keys ? Sm90FwdTile{128, 64, 2, 2, false, 1}
+                        : Sm90FwdTile{128, 80, 2, 2, false, band ? 1 : 2};  // 224 KiB; O 128
 }
 
 // The e4m3 forward (inputs in one byte, the output in bf16): the PV GEMM's K dimension (block_n)
@@ -63,12 +70,19 @@ constexpr Sm90FwdTile sm90_fwd_tile(int d, bool band) {
 // the pace there (e4m3 GEMMs of 64 x 128 x 64 take a quarter of a block's issue time), and
 // turns only made a group wait for the previous one's softmax: +4-8% at 1k-16k (H100,
 // 2026-11-28). Causal lost 0-5% without them, so the band kernel keeps them.
-constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d, bool band) {
+// short_keys as above: e4m3 causal +11% at 512 and +2% at 1k against 96, -3.6..-7% from 2k
+// (every band kernel); as its own kernel up to 1k keys +10.9% / +2.2% (512 / 1k). 128 keys
+// (n128) spilled in the loop and lost 7-11% at every point from 512 to 16k.
+constexpr Sm90FwdTile sm90_fwd_tile_fp8(int d, bool band, bool short_keys = false) {
     return d <= 64    ? Sm90FwdTile{192, 128, 4, 3, band, 1}
            : d <= 128 ? Sm90FwdTile{192, 128, 2, 3, true, 1, false}
            : d <= 192 ? Sm90FwdTile{128, 128, 2, 2, true, 1}
-                      : Sm90FwdTile{128, 96, 2, 2, false, 1};
+                      : Sm90FwdTile{128, short_keys ? 64 : 96, 2, 2, false, 1};
 }
+
+// The longest keys (seqlen_k, or max_seqlen_k for varlen) that the d > 192 band kernel runs on
+// its short_keys tile: up to 2k in bf16/fp16, 1k in e4m3 (the measurements above).
+constexpr int sm90_short_keys_max(bool fp8) { return fp8 ? 1024 : 2048; }
 
 struct Sm90BwdTile {
     int block_m;  // query rows per step of the query loop
