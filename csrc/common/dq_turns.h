@@ -18,25 +18,17 @@ struct DqTurns {
 
     __device__ bool enabled() const { return counts != nullptr; }
 
-    // The key tiles that see query tile m are contiguous (both ends of a key tile's query range,
-    // BandMask::query_block_range, grow with the tile). Key tile n's rank is the number of them
-    // above n. Highest first: a causal key tile's first query tiles are those it starts (rank
-    // 0), and each later one waits only for the tiles above it, a step ahead of it; in
+    // The key tiles that see query tile m are the key blocks that its rows inside the sequence
+    // see (BandMask::key_block_range), a contiguous range; key tile n's rank is the number of
+    // them above n. Highest first: a causal key tile's first query tiles are those it starts
+    // (rank 0), and each later one waits only for the tiles above it, a step ahead of it; in
     // ascending order a tile would wait at its first query tiles for every tile below it.
     // n_end: the sequence's key tiles.
     static __device__ int rank(BandMask const& mask, int m, int n_block, int n_end) {
-        int lo = n_block, hi = n_end - 1;  // n_block sees m: find the last tile that does
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            int first, last;
-            mask.query_block_range(mid * kBlockN, kBlockN, kBlockM, first, last);
-            if (first <= m && m < last) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        return lo - n_block;
+        const int row0 = m * kBlockM;
+        int first, last;
+        mask.key_block_range(row0, min(kBlockM, mask.seqlen_q - row0), kBlockN, first, last);
+        return min(last, n_end) - 1 - n_block;
     }
 
     // Called by one thread: returns once the tiles ranked before `rank` have added to tile m.

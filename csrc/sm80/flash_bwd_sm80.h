@@ -95,14 +95,21 @@ __global__ void flash_bwd_dq_write_kernel(const __grid_constant__ BwdParams p) {
     });
 }
 
-// kExtras: ALiBi, deterministic=True and dropout, in an instantiation of their own (which also runs
-// without ALiBi: its bias is then 0), so the plain kernel keeps its code and registers (a
-// run-time ALiBi flag cost it 2-6%; the deterministic turns raised its spills from 32 to 132
-// bytes at d=128).
-template <class T, int kHeadDim, bool kExtras>
+// The backward's instantiations: the plain kernel, kDeterministic (the dQ turns of
+// deterministic=True) and kExtras (ALiBi and dropout, with or without the turns; its bias is 0
+// without ALiBi). Each extra in the plain kernel would cost it: a run-time ALiBi flag 2-6%,
+// the turns raised its spills from 32 to 132 bytes at d=128. Deterministic runs without ALiBi
+// or dropout have a kernel of their own: on the kExtras kernel (whose code alone, with ALiBi,
+// cost 20-23%) they ran at 0.62-0.69 of the default, on their own at 0.67-0.76 (d = 64 and
+// 128, 4k and 16k, H200, 2026-11-28).
+enum class Sm80BwdKind { kPlain, kDeterministic, kExtras };
+
+template <class T, int kHeadDim, Sm80BwdKind kKind>
 __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     flash_bwd_sm80_kernel(const __grid_constant__ BwdParams p) {
     using K = Sm80Bwd<T, kHeadDim>;
+    constexpr bool kExtras = kKind == Sm80BwdKind::kExtras;
+    constexpr bool kTurns = kKind != Sm80BwdKind::kPlain;
     constexpr int kBlockM = K::kBlockM;
     constexpr int kBlockN = K::kBlockN;
     using BM = Int<kBlockM>;
@@ -115,7 +122,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     // mode the highest first: key_tile_of_launch).
     const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
     const int n_block = key_tile_of_launch(int(blockIdx.x % num_n_blocks), num_n_blocks,
-                                           kExtras && p.deterministic);
+                                           kTurns && p.deterministic);
     const int bidh = int(blockIdx.x / num_n_blocks) % p.nheads;
     const int bidb = int(blockIdx.x / num_n_blocks) / p.nheads;
     const int bidh_k = bidh / (p.nheads / p.nheads_k);
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
     const int col0 = n_block * kBlockN;
     if (col0 >= seq.seqlen_k) return;
     const BandMask mask = seq.mask(p);
-    const DqTurns<kBlockM, kBlockN> turns(kExtras ? p.dq_turns : nullptr,
+    const DqTurns<kBlockM, kBlockN> turns(kTurns ? p.dq_turns : nullptr,
                                           (p.seqlen_q + kBlockM - 1) / kBlockM, p.nheads, bidb,
                                           bidh);
     const int n_end = (seq.seqlen_k + kBlockN - 1) / kBlockN;
@@ -395,9 +402,11 @@ void run_bwd_sm80(BwdParams& p, cudaStream_t stream) {
                   p.nheads);
     flash_bwd_row_dot_kernel<T, kHeadDim><<<row_grid, 256, 0, stream>>>(p);
 
-    auto kernel = p.alibi_slopes != nullptr || p.deterministic || p.rng_state != nullptr
-                      ? flash_bwd_sm80_kernel<T, kHeadDim, true>
-                      : flash_bwd_sm80_kernel<T, kHeadDim, false>;
+    auto kernel = p.alibi_slopes != nullptr || p.rng_state != nullptr
+                      ? flash_bwd_sm80_kernel<T, kHeadDim, Sm80BwdKind::kExtras>
+                  : p.deterministic
+                      ? flash_bwd_sm80_kernel<T, kHeadDim, Sm80BwdKind::kDeterministic>
+                      : flash_bwd_sm80_kernel<T, kHeadDim, Sm80BwdKind::kPlain>;
     if (K::kSmemBytes >= 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::kSmemBytes);
     }
