@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <class Traits>
 int det_head_group(BwdParams const& p) {
     if (!p.deterministic || p.window_left >= 0 || p.window_right >= 0) return 1;
-    const Sm90Device dev = current_sm90_device();
+    const DeviceInfo dev = current_device_info();
     const int num_sms = dev.sms, l2_bytes = dev.l2_bytes;
     const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     if (2 * n_blocks > num_sms) return 1;

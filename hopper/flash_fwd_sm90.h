@@ -273,7 +273,7 @@ int resident_clusters() {
     int clusters = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
     if (clusters > 0) return clusters;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-    const int num_sms = current_sm90_device().sms;
+    const int num_sms = current_device_info().sms;
     clusters = num_sms / kCluster;
     if constexpr (kCluster > 1) {
         // GPCs hold whole clusters: fewer than num_sms / 2 pairs may be resident.

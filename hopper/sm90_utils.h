@@ -4,12 +4,12 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <type_traits>
 
+#include "common/device.h"
 #include "common/memory_order.h"
 
 namespace flash {
@@ -20,32 +20,6 @@ using namespace cute;
 constexpr int kWarpGroupThreads = 128;
 // Rows of a WGMMA accumulator (the instruction's M): a consumer warp group's share of a tile.
 constexpr int kWarpGroupRows = 64;
-
-// The current device's SM count and L2 bytes, read once per device: the launchers need them on
-// every call, and the attribute queries are host work.
-struct Sm90Device {
-    int sms = 0;
-    int l2_bytes = 0;
-};
-inline Sm90Device current_sm90_device() {
-    int device = 0;
-    cudaGetDevice(&device);
-    static std::atomic<int> sms_seen[64] = {}, l2_seen[64] = {};
-    Sm90Device d;
-    if (device < 64) {
-        d.sms = sms_seen[device].load(std::memory_order_acquire);
-        d.l2_bytes = l2_seen[device].load(std::memory_order_relaxed);
-    }
-    if (d.sms == 0) {
-        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device);
-        cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, device);
-        if (device < 64) {
-            l2_seen[device].store(d.l2_bytes, std::memory_order_relaxed);
-            sms_seen[device].store(d.sms, std::memory_order_release);  // after l2's
-        }
-    }
-    return d;
-}
 
 // Warp group 0 loads, the others compute.
 enum class WarpGroupRole : int { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2, kConsumer2 = 3 };
