@@ -27,6 +27,10 @@ The varlen form (:func:`ring_flash_attn_varlen_func`) shards every packed sequen
 in the same way (:func:`zigzag_shard_varlen` / :func:`zigzag_unshard_varlen`); internally it is
 the batched code on a batch of one whose rows are cut into sequences.
 
+The learnable sink (``s_aux`` / ``learnable_sink``) joins every row's softmax once, after the
+merge; in the backward the kernels need only the merged lse (which includes it), and the
+sink's gradient is summed over the ranks.
+
 Masks (causal, sliding window) are in global positions. Each (query chunk, key chunk) pair is
 cut down to the rows and columns that see at least one key, and the kernel is called on that
 sub-block with the window re-expressed in the kernel's bottom-right alignment (or with no mask
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _fp8, ops, reference
+from ._validation import _check_sink
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
@@ -538,7 +543,7 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tens
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
                   zigzag: bool, scale: float, left: float, right: float,
-                  softcap: float) -> Tuple[Tensor, Tensor]:
+                  softcap: float, sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     b, s, h, d = q.shape
     cdt = reference._compute_dtype(q, k, v)
     acc_out = torch.zeros(b, s, h, d, dtype=cdt, device=q.device)
@@ -565,10 +570,35 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
             ring.release(held)
         if sending:
             kv, held = kv_next, reqs
-    # The kernels' convention for rows that keep no key: out 0 (already), lse +inf.
+    if sink is not None:
+        acc_lse = _join_sink(acc_out, acc_lse, sink)
+    # The kernels' convention for rows that keep no key (and no sink): out 0 (already), lse +inf.
     acc_lse = torch.where(acc_lse == float("-inf"), torch.full_like(acc_lse, float("inf")),
                           acc_lse)
     return acc_out.to(q.dtype), acc_lse.to(torch.float32 if q.is_cuda else cdt)
+
+
+def _join_sink(acc_out: Tensor, acc_lse: Tensor, sink: Tensor) -> Tensor:
+    """The learnable sink's logit sink[h] joins every row's softmax denominator once, after the
+    merge over every K/V shard: the rows of ``acc_out`` are scaled by exp(lse - lse'), in place,
+    and lse' = logaddexp(lse, sink[h]) is returned. Rows with no key get lse' = sink[h] and keep
+    out = 0; a sink of -inf changes nothing."""
+    new = torch.logaddexp(acc_lse, sink.to(acc_lse.dtype).view(1, -1, 1))
+    empty = new == float("-inf")
+    w = torch.where(empty, torch.zeros_like(new),
+                    torch.exp(acc_lse - torch.where(empty, torch.zeros_like(new), new)))
+    acc_out.mul_(w.transpose(1, 2)[..., None])
+    return new
+
+
+def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor,
+               group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The sink's gradient from this rank's rows (:func:`flash_attn.ops.sink_grad`), summed over
+    the group's ranks (all_reduce), so that every rank returns the whole sequence's gradient.
+    dout, out: (batch, rows, nheads, headdim); lse (batch, nheads, rows) including the sink."""
+    grad = ops.sink_grad(dout, out, lse, sink, False)
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -628,27 +658,33 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 class _RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
-                zigzag: bool, scale: float, left: float, right: float, softcap: float,
-                deterministic: bool) -> Tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ring: _Ring,
+                seqlens: List[int], zigzag: bool, scale: float, left: float, right: float,
+                softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
         if any(ctx.needs_input_grad[:3]):
             # The dK/dV channel's room now rather than in the backward, where every rank would
             # stop for a collective reallocation.
             cdt = reference._compute_dtype(q, k, v)
             ring.reserve(_TAG_DKV, 2 * k.numel() * torch.empty((), dtype=cdt).element_size())
-        out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap,
+                                 sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * 8
+        dout = dout.contiguous()
+        # The kernels' backward needs nothing more for the sink: the lse it is handed includes it.
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = _sink_grad(dout, out, lse, sink, ctx.args[0].group)
+        return (dq, dk, dv, dsink) + (None,) * 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -784,7 +820,7 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
                     cu_seqlens: Optional[Tensor], local: Optional[str],
                     group: Optional[dist.ProcessGroup], world: int, rank: int, causal: bool,
                     window_size, softcap: float, softmax_scale: Optional[float], zigzag: bool,
-                    deterministic: bool) -> Tuple[Tensor, Tensor]:
+                    deterministic: bool, sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """The checks that involve the group, then the ring, on 4-D q, k, v."""
     backend_err = _backend_error(q.device, dist.get_backend(group))
     if backend_err is not None:
@@ -798,7 +834,7 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
     right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
     q, k, v = (x.contiguous() for x in (q, k, v))
     ring = _make_ring(group, world, rank, q.device)
-    return _RingFlashAttnFunc.apply(q, k, v, ring, seqlens, zigzag, scale, left, right,
+    return _RingFlashAttnFunc.apply(q, k, v, sink, ring, seqlens, zigzag, scale, left, right,
                                     float(softcap), deterministic)
 
 
@@ -817,6 +853,8 @@ def ring_flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_softmax_lse: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of ``group`` (context parallelism).
 
@@ -840,11 +878,16 @@ def ring_flash_attn_func(
             other than the default raises NotImplementedError).
         deterministic: handed to the CUDA backward kernel (the ring's own order is fixed).
         return_softmax_lse: also return this rank's rows of the log-sum-exp.
+        s_aux: (nheads,) float32 or q's dtype, optional: the learnable attention sink of
+            gpt-oss, the same on every rank; its logit s_aux[h] joins the softmax denominator of
+            every row of query head h once (the partial results are merged first). Its gradient
+            is that of the whole sequence on every rank (an all_reduce in the backward).
+        learnable_sink: another name for s_aux (pass one of them).
     Return:
         out: (batch, seqlen_local, nheads, headdim).
         softmax_lse (only with return_softmax_lse): (batch, nheads, seqlen_local), natural log,
-            +inf on rows that keep no key; float32, except float64 for float64 CPU inputs on
-            more than one rank.
+            +inf on rows that keep no key (with a sink: the sink's logit); float32, except
+            float64 for float64 CPU inputs on more than one rank.
 
     Before the ring starts, the call checks its inputs and does one small ``all_gather`` of every
     rank's shard shape, so that shards of different lengths (or one rank's bad input) give
@@ -858,16 +901,31 @@ def ring_flash_attn_func(
     if world == 1:
         out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                       window_size=tuple(window_size), softcap=softcap,
-                                      deterministic=deterministic, return_attn_probs=True)
+                                      deterministic=deterministic, return_attn_probs=True,
+                                      s_aux=s_aux, learnable_sink=learnable_sink)
         return (out, lse) if return_softmax_lse else out
     local = None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         local = (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
                  f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None, local,
-                               group, world, rank, causal, window_size, softcap, softmax_scale,
-                               zigzag, deterministic)
+    sink, sink_err = _ring_sink(fn, s_aux, learnable_sink, q, local)
+    out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None,
+                               local or sink_err, group, world, rank, causal, window_size,
+                               softcap, softmax_scale, zigzag, deterministic, sink)
     return (out, lse) if return_softmax_lse else out
+
+
+def _ring_sink(fn: str, s_aux: Optional[Tensor], learnable_sink: Optional[Tensor], q: Tensor,
+               local: Optional[str]) -> Tuple[Optional[Tensor], Optional[str]]:
+    """The validated sink, or the error that every rank then raises (the group's shape check
+    gathers it, so that no rank waits for one that stopped). q is this rank's q, 4-D unless
+    ``local`` says otherwise."""
+    if local is not None or (s_aux is None and learnable_sink is None):
+        return None, None
+    try:
+        return _check_sink(fn, s_aux, learnable_sink, q, q.shape[2]), None
+    except (TypeError, ValueError) as e:
+        return None, str(e).removeprefix(f"{fn}: ")
 
 
 def _varlen_local_error(q: Tensor, k: Tensor, v: Tensor,
@@ -902,6 +960,8 @@ def ring_flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_softmax_lse: bool = False,
+    s_aux: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`ring_flash_attn_func` for sequences packed along the rows: every sequence of the
     batch is sharded across the group on its own (zigzag or contiguous, as ``zigzag`` says), and
@@ -931,7 +991,8 @@ def ring_flash_attn_varlen_func(
         out, lse, _ = flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-            softcap=softcap, deterministic=deterministic, return_attn_probs=True)
+            softcap=softcap, deterministic=deterministic, return_attn_probs=True, s_aux=s_aux,
+            learnable_sink=learnable_sink)
         return (out, lse) if return_softmax_lse else out
     local = _varlen_local_error(q, k, v, cu_seqlens)
     seqlens: List[int] = []
@@ -942,9 +1003,10 @@ def ring_flash_attn_varlen_func(
         cu_check: Optional[Tensor] = cu_seqlens
     else:
         cu_check = None
-    out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local, group, world, rank,
-                               causal, window_size, softcap, softmax_scale, zigzag,
-                               deterministic)
+    sink, sink_err = _ring_sink(fn, s_aux, learnable_sink, q, local)
+    out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local or sink_err, group, world,
+                               rank, causal, window_size, softcap, softmax_scale, zigzag,
+                               deterministic, sink)
     out, lse = out[0], lse[0]
     return (out, lse) if return_softmax_lse else out
 

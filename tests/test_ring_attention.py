@@ -58,10 +58,19 @@ VARLEN_CASES = {
     "varlen_window_zigzag_softcap": (True, False, (3, 1), 2.0, 2, 2),
     "varlen_window_causal_contiguous": (False, True, (4, -1), 0.0, 2, 1),
 }
-ERROR_CASES = ["unequal_shards", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
+# The learnable sink (s_aux / learnable_sink), one head's logit -inf (no sink there); with
+# window (0, 0) at contiguous shards some rows of a rank keep few keys; varlen too.
+SINK_CASES = {
+    "sink_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2),
+    "sink_noncausal_contiguous_softcap": (False, False, (-1, -1), 1.5, 2, 2),
+    "sink_window_contiguous": (False, False, (0, 0), 0.0, 2, 1),
+    "sink_varlen_causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2),
+}
+ERROR_CASES = ["unequal_shards", "bad_sink_on_one_rank", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
                "not_implemented", "group_of_one", "varlen_unequal_cu_seqlens",
                "varlen_bad_cu_seqlens", "varlen_group_of_one", "host_group_of_an_nccl_group"]
-ALL_CASES = list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + ERROR_CASES
+ALL_CASES = (list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + list(SINK_CASES)
+             + ERROR_CASES)
 
 
 def _check_case(name: str, world: int, rank: int) -> None:
@@ -144,6 +153,74 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
         assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
 
 
+def _check_sink_case(name: str, world: int, rank: int) -> None:
+    """Output, gradients and the sink's gradient against the reference on the full sequence;
+    the sink's gradient (an all_reduce) must be the whole sequence's on every rank."""
+    zigzag, causal, window, softcap, h, hk = SINK_CASES[name]
+    g = torch.Generator().manual_seed(50 + list(SINK_CASES).index(name))
+    sink = torch.randn(h, generator=g, dtype=torch.float64)
+    sink[-1] = float("-inf")
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    if "varlen" in name:
+        lens = [2 * world * c for c in VARLEN_CHUNKS]
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
+                         for n in (h, hk, hk, h))
+        cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
+
+        def shard(x):
+            return shard_varlen(x, cu, world, rank, zigzag)
+
+        def unshard(x):
+            return unshard_varlen(x, cu_local, world, zigzag)
+
+        def ref_fn(q, k, v, sink):
+            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                                     s_aux=sink, **kwargs)
+
+        def ring_fn(q, k, v, sink):
+            return ring_flash_attn_varlen_func(q, k, v, cu_local, max(lens) // world,
+                                               zigzag=zigzag, learnable_sink=sink, **kwargs)
+    else:
+        seqlen = 2 * world * CHUNK
+        q, k, v, dout = (torch.randn(2, seqlen, n, 8, generator=g, dtype=torch.float64)
+                         for n in (h, hk, hk, h))
+        s = seqlen // world
+
+        def shard(x):
+            return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
+
+        def unshard(x):
+            if zigzag:
+                return zigzag_unshard(x, 1)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous())
+            return torch.cat(parts, dim=1)
+
+        def ref_fn(q, k, v, sink):
+            return flash_attn.flash_attn_func(q, k, v, s_aux=sink, **kwargs)
+
+        def ring_fn(q, k, v, sink):
+            return ring_flash_attn_func(q, k, v, zigzag=zigzag, s_aux=sink, **kwargs)
+
+    qr, kr, vr, sr = (x.clone().requires_grad_() for x in (q, k, v, sink))
+    ref = ref_fn(qr, kr, vr, sr)
+    ref.backward(dout)
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    ss = sink.clone().requires_grad_()
+    out = ring_fn(qs, ks, vs, ss)
+    out.backward(shard(dout))
+    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
+                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                            ("dv", unshard(vs.grad), vr.grad), ("dsink", ss.grad, sr.grad)):
+        err = (got - want).abs().max().item()
+        scale = max(want.abs().max().item(), 1.0)
+        # The reference op's sink gradient reads its float32 softmax_lse (the ring's is float64
+        # here): within float32's rounding, not float64's.
+        tol = 1e-6 if what == "dsink" else RTOL
+        assert err <= tol * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+
+
 def _raises(exc, fn, *words):
     try:
         fn()
@@ -160,6 +237,11 @@ def _check_error(name: str, world: int, rank: int) -> None:
         # Rank 0's shard is shorter: every rank gets the ValueError from the shape check.
         y = x[:, :2] if rank == 0 else x
         _raises(ValueError, lambda: ring_flash_attn_func(y, y, y), "same shapes")
+    elif name == "bad_sink_on_one_rank":
+        # Rank 0's sink has the wrong length: every rank raises, none waits in the ring.
+        sink = torch.zeros(3 if rank == 0 else 2, dtype=torch.float64)
+        words = ("s_aux",) if rank == 0 else ("rank(s) [0]",)
+        _raises(ValueError, lambda: ring_flash_attn_func(x, x, x, s_aux=sink), *words)
     elif name == "zigzag_odd":
         y = x[:, :3]
         _raises(ValueError, lambda: ring_flash_attn_func(y, y, y, zigzag=True), "even")
@@ -222,6 +304,8 @@ def _check_error(name: str, world: int, rank: int) -> None:
 def _run_case(name: str, world: int, rank: int) -> None:
     if name in VARLEN_CASES:
         _check_varlen_case(name, world, rank)
+    elif name in SINK_CASES:
+        _check_sink_case(name, world, rank)
     elif name not in ERROR_CASES:
         _check_case(name, world, rank)
     else:

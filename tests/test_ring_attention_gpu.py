@@ -39,8 +39,13 @@ VARLEN_CASES = {
     "varlen_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
     "varlen_window_contiguous_d64": (False, False, (100, 20), 0.0, 2, 2, 64, torch.bfloat16),
 }
+# The learnable sink (s_aux), one head's logit -inf.
+SINK_CASES = {
+    "sink_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
+    "sink_window_contiguous_d64": (False, False, (150, 30), 0.0, 2, 2, 64, torch.bfloat16),
+}
 ERROR_CASES = ["cuda_with_gloo", "unequal_shards"]
-ALL_CASES = list(CASES) + list(VARLEN_CASES) + ERROR_CASES
+ALL_CASES = list(CASES) + list(VARLEN_CASES) + list(SINK_CASES) + ERROR_CASES
 
 
 def _gather_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,6 +77,52 @@ def _check_case(name: str, world: int, rank: int) -> None:
     grads = [unshard(x.grad) for x in (qs, ks, vs)]
     compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv,
                    {"causal": causal, "window_size": window, "softcap": softcap}, dout)
+
+
+def _check_sink_case(name: str, world: int, rank: int) -> None:
+    """out, dq, dk, dv under the accuracy rule against float64 attention with the sink on the
+    full sequence; the sink's gradient (all-reduced, so the whole sequence's on every rank)
+    within 3 x the bf16 baseline's error plus the rounding of the bf16 out it is computed from
+    (as tests/test_sink_gpu.py bounds the single-GPU one)."""
+    from attn_ref import REF_DTYPE, attention_ref, compare_to_ref, plain_qkv
+
+    zigzag, causal, window, softcap, h, hk, d, dtype = SINK_CASES[name]
+    seqlen = 2 * world * CHUNK
+    g = torch.Generator(device="cuda").manual_seed(200 + list(SINK_CASES).index(name))
+    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
+                     for n in (h, hk, hk, h))
+    sink = torch.randn(h, generator=g, device="cuda") * 2
+    sink[-1] = float("-inf")
+    s = seqlen // world
+
+    def shard(x, dim=1):
+        return zigzag_shard(x, dim) if zigzag else x.narrow(dim, rank * s, s).contiguous()
+
+    def unshard(x, dim=1):
+        return zigzag_unshard(x, dim) if zigzag else _gather_rows(x, dim)
+
+    kw = {"causal": causal, "window_size": window, "softcap": softcap}
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    ss = sink.clone().requires_grad_()
+    out, lse = ring_flash_attn_func(qs, ks, vs, zigzag=zigzag, s_aux=ss,
+                                    return_softmax_lse=True, **kw)
+    out.backward(shard(dout))
+    full_out, full_lse = unshard(out.detach()), unshard(lse, 2)
+    grads = [unshard(x.grad) for x in (qs, ks, vs)]
+    compare_to_ref(full_out, grads, [q, k, v], plain_qkv, dict(kw, sink=sink.to(REF_DTYPE)),
+                   dout)
+    s_ref = sink.to(REF_DTYPE).requires_grad_()
+    out_ref = attention_ref(*(x.to(REF_DTYPE) for x in (q, k, v)), compute_dtype=REF_DTYPE,
+                            sink=s_ref, **kw)[0]
+    (g_ref,) = torch.autograd.grad(out_ref, [s_ref], dout.to(REF_DTYPE))
+    s_pt = sink.clone().requires_grad_()
+    out_pt = attention_ref(q, k, v, compute_dtype=dtype, sink=s_pt, **kw)[0]
+    (g_pt,) = torch.autograd.grad(out_pt, [s_pt], dout)
+    mag = (dout.double().abs() * full_out.double().abs()).sum(-1).transpose(1, 2)
+    rounding = (torch.exp(sink.double().view(1, -1, 1) - full_lse.double()) * mag).sum((0, 2))
+    err = (ss.grad.double() - g_ref).abs()
+    allowed = 3 * (g_pt.double() - g_ref).abs().max() + rounding * 2.0 ** -8 + 1e-5
+    assert (err <= allowed).all(), f"dsink: errors {err.tolist()} > allowed {allowed.tolist()}"
 
 
 def _check_varlen_case(name: str, world: int, rank: int) -> None:
@@ -134,6 +185,8 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_case(name, world, rank)
     elif name in VARLEN_CASES:
         _check_varlen_case(name, world, rank)
+    elif name in SINK_CASES:
+        _check_sink_case(name, world, rank)
     else:
         _check_error(name, world, rank)
 
