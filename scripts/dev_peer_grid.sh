@@ -11,12 +11,7 @@
 #   3. benchmarks/benchmark_fp8.py --fa3: the e4m3 forward grid.
 # OUT: where logs and tables go (default build/peer_grid_logs). Each step has a timeout, so
 # that a slow one cannot take the rest with it.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/build/peer_grid_logs}
-mkdir -p "$OUT"
-T0=$(date +%s); t() { echo "t=$(( $(date +%s) - T0 ))s"; }
+source scripts/call_prelude.sh build/peer_grid_logs
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the scripts
 (FP8=1 MAX_JOBS=${FA3_JOBS:-8} nice -n 5 bash .peers/build_fa3.sh "$ROOT/build/peers" \
    > "$OUT/fa3.log" 2>&1) &

@@ -73,15 +73,9 @@ ALL_CASES = (list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + list(SINK_CAS
              + ERROR_CASES)
 
 
-def _check_case(name: str, world: int, rank: int) -> None:
-    bf16 = name in BF16_CASES
-    zigzag, causal, window, softcap, h, hk = (BF16_CASES if bf16 else CASES)[name]
-    seqlen = 2 * world * CHUNK
-    g = torch.Generator().manual_seed(list(CASES).index(name) if name in CASES else 99)
-    b, d = 2, 8
-    dtype = torch.bfloat16 if bf16 else torch.float64
-    q, k, v, dout = (torch.randn(b, seqlen, n, d, generator=g, dtype=torch.float64).to(dtype)
-                     for n in (h, hk, hk, h))
+def _batched_sharding(zigzag: bool, world: int, rank: int, seqlen: int):
+    """(shard, unshard) of a (batch, seqlen, ...) tensor on this rank: zigzag chunks, or
+    contiguous rows (unshard all-gathers)."""
     s = seqlen // world
 
     def shard(x):
@@ -94,6 +88,29 @@ def _check_case(name: str, world: int, rank: int) -> None:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=1)
 
+    return shard, unshard
+
+
+def _assert_close(pairs, tol=None) -> None:
+    """Max error of each (name, got, want) within RTOL (or tol[name]) of max |want|, floored at
+    1 (the inputs' scale: with window (0, 0) dq is 0, up to rounding)."""
+    for what, got, want in pairs:
+        err = (got - want).abs().max().item()
+        scale = max(want.abs().max().item(), 1.0)
+        limit = (tol or {}).get(what, RTOL)
+        assert err <= limit * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+
+
+def _check_case(name: str, world: int, rank: int) -> None:
+    bf16 = name in BF16_CASES
+    zigzag, causal, window, softcap, h, hk = (BF16_CASES if bf16 else CASES)[name]
+    seqlen = 2 * world * CHUNK
+    g = torch.Generator().manual_seed(list(CASES).index(name) if name in CASES else 99)
+    b, d = 2, 8
+    dtype = torch.bfloat16 if bf16 else torch.float64
+    q, k, v, dout = (torch.randn(b, seqlen, n, d, generator=g, dtype=torch.float64).to(dtype)
+                     for n in (h, hk, hk, h))
+    shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out = ring_flash_attn_func(qs, ks, vs, causal=causal, window_size=window, softcap=softcap,
                                zigzag=zigzag)
@@ -109,13 +126,9 @@ def _check_case(name: str, world: int, rank: int) -> None:
     ref = flash_attn.flash_attn_func(qr, kr, vr, causal=causal, window_size=window,
                                      softcap=softcap)
     ref.backward(dout)
-    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
-                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
-                            ("dv", unshard(vs.grad), vr.grad)):
-        err = (got - want).abs().max().item()
-        # Floored at 1 (the inputs' scale): with window (0, 0) dq is 0, up to rounding.
-        scale = max(want.abs().max().item(), 1.0)
-        assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+    _assert_close((("out", unshard(out.detach()), ref.detach()),
+                   ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                   ("dv", unshard(vs.grad), vr.grad)))
 
 
 def _check_varlen_case(name: str, world: int, rank: int) -> None:
@@ -145,12 +158,9 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
                                            zigzag=zigzag, return_softmax_lse=True)
     assert lse.shape == (h, qs.shape[0])
     out.backward(shard(dout))
-    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
-                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
-                            ("dv", unshard(vs.grad), vr.grad)):
-        err = (got - want).abs().max().item()
-        scale = max(want.abs().max().item(), 1.0)
-        assert err <= RTOL * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+    _assert_close((("out", unshard(out.detach()), ref.detach()),
+                   ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                   ("dv", unshard(vs.grad), vr.grad)))
 
 
 def _check_sink_case(name: str, world: int, rank: int) -> None:
@@ -185,17 +195,7 @@ def _check_sink_case(name: str, world: int, rank: int) -> None:
         seqlen = 2 * world * CHUNK
         q, k, v, dout = (torch.randn(2, seqlen, n, 8, generator=g, dtype=torch.float64)
                          for n in (h, hk, hk, h))
-        s = seqlen // world
-
-        def shard(x):
-            return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
-
-        def unshard(x):
-            if zigzag:
-                return zigzag_unshard(x, 1)
-            parts = [torch.empty_like(x) for _ in range(world)]
-            dist.all_gather(parts, x.contiguous())
-            return torch.cat(parts, dim=1)
+        shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
 
         def ref_fn(q, k, v, sink):
             return flash_attn.flash_attn_func(q, k, v, s_aux=sink, **kwargs)
@@ -210,15 +210,12 @@ def _check_sink_case(name: str, world: int, rank: int) -> None:
     ss = sink.clone().requires_grad_()
     out = ring_fn(qs, ks, vs, ss)
     out.backward(shard(dout))
-    for what, got, want in (("out", unshard(out.detach()), ref.detach()),
-                            ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
-                            ("dv", unshard(vs.grad), vr.grad), ("dsink", ss.grad, sr.grad)):
-        err = (got - want).abs().max().item()
-        scale = max(want.abs().max().item(), 1.0)
-        # The reference op's sink gradient reads its float32 softmax_lse (the ring's is float64
-        # here): within float32's rounding, not float64's.
-        tol = 1e-6 if what == "dsink" else RTOL
-        assert err <= tol * scale, f"{what}: max error {err:.3e} vs max |ref| {scale:.3e}"
+    # The reference op's sink gradient reads its float32 softmax_lse (the ring's is float64
+    # here): within float32's rounding, not float64's.
+    _assert_close((("out", unshard(out.detach()), ref.detach()),
+                   ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                   ("dv", unshard(vs.grad), vr.grad), ("dsink", ss.grad, sr.grad)),
+                  {"dsink": 1e-6})
 
 
 def _raises(exc, fn, *words):

@@ -6,12 +6,7 @@
 # kernels (FLASH_ATTN_FORCE_SM80=1) times deterministic and default backward in turns in one
 # process, the patched build with the turns forced (FLASH_ATTN_DET_COPIES_MB=0) beside it, and
 # runs the deterministic GPU tests (both paths) on the patched build. OUT: where logs go.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/build/pending_logs}
-mkdir -p "$OUT"
-T0=$(date +%s); t() { echo "t=$(( $(date +%s) - T0 ))s"; }
+source scripts/call_prelude.sh build/pending_logs
 P=benchmarks/patches
 FLASH_ATTN_HEADDIMS=64,128 FLASH_ATTN_DTYPES=bf16,fp16 \
   VARIANTS="base copies:$P/sm80_det_copies.patch" AB_ARGS=none OUT="$OUT" \

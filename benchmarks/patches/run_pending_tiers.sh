@@ -4,12 +4,7 @@
 # both in parallel, runs the patched build's forward, varlen and paged-cache tests at those
 # dims, times causal 512-4k and non-causal varlen in turns, and decode with pages of 16 / 256.
 #   bash benchmarks/patches/run_pending_tiers.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/build/pending_tiers_logs}
-mkdir -p "$OUT"
-T0=$(date +%s); t() { echo "t=$(( $(date +%s) - T0 ))s"; }
+source scripts/call_prelude.sh build/pending_tiers_logs
 FLASH_ATTN_HEADDIMS=192,224 FLASH_ATTN_DTYPES=bf16 FLASH_ATTN_DISABLE_BACKWARD=1 \
   VARIANTS="base tiers:benchmarks/patches/fwd_tiers_160_224.patch" AB_ARGS=none OUT="$OUT" \
   timeout 330 bash scripts/dev_ab.sh; t
