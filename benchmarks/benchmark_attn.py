@@ -165,29 +165,26 @@ def import_flash_attn():
     return flash_attn
 
 
-class _Fa3Func:
-    """FlashAttention-3's forward and backward ops (torch.ops.flash_attn_3, no autograd of
-    their own) wrapped in an autograd function, so that it is timed like the other backends."""
+def _fa3_fn(ops, causal: bool):
+    """FlashAttention-3's forward and backward ops (torch.ops.flash_attn_3, no autograd of their
+    own) as one differentiable call, so that it is timed like the other backends."""
+    import torch
 
-    @staticmethod
-    def make(ops, causal: bool):
-        import torch
+    class Fa3(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse, *_ = ops.fwd(q, k, v, is_causal=causal)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
 
-        class Fn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, q, k, v):
-                out, lse, *_ = ops.fwd(q, k, v, is_causal=causal)
-                ctx.save_for_backward(q, k, v, out, lse)
-                return out
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            ops.bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, is_causal=causal)
+            return dq, dk, dv
 
-            @staticmethod
-            def backward(ctx, dout):
-                q, k, v, out, lse = ctx.saved_tensors
-                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                ops.bwd(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, is_causal=causal)
-                return dq, dk, dv
-
-        return Fn.apply
+    return Fa3.apply
 
 
 _FA3_OPS = None
@@ -201,7 +198,7 @@ def backend_fn(name: str, causal: bool):
 
         return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
     if name == "fa3":
-        return _Fa3Func.make(_FA3_OPS, causal)
+        return _fa3_fn(_FA3_OPS, causal)
 
     def sdpa(q, k, v):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
