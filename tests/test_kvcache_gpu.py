@@ -389,12 +389,13 @@ def test_paged_cache(pack, case, d, page, monkeypatch):
 
 
 @pytest.mark.parametrize("page", [1, 16, 48, 64, 128])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 224, 256])
 @pytest.mark.parametrize("case", ["decode_split", "prefill_rotary", "leftpad"])
 def test_paged_cache_any_page_size(case, d, page, monkeypatch):
     """Pages of any size (shuffled, unused pages NaN), read in place: by the Hopper kernels'
     TMA for pages of a multiple of 8 rows, else by the SM80 kernels' row gather, and with
-    cache_leftpad (which always takes the gather). decode_split: one new row over 640 cached
+    cache_leftpad (which always takes the gather). d = 192 and 224: the two-consumer-group
+    kernels' paged loads at the tiers between 128 and 256. decode_split: one new row over 640 cached
     keys (the keys split over SMs); prefill_rotary: a causal chunk of 40 rows written across
     page boundaries, rotated; leftpad: the chunk after pads of 0, an unaligned offset and a
     whole page or more."""
