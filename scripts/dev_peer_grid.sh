@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the grid against the peers in one process (about 9 minutes on an
-# H100/H200; give it 600 s), from the repo root with .cutlass carried:
+# One device call for the grid against the peers in one process (335 s on an H200, session 40;
+# give it 600 s), from the repo root with .cutlass and .peers (a copy of ../shared/peers, which
+# the device does not have) carried:
 #   bash scripts/dev_peer_grid.sh
 # Builds ours (d = 64/128/256, bf16 + e4m3, forward and backward) while FlashAttention-3 builds
 # with its e4m3 forward (FP8=1) in the background, then:
