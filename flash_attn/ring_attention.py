@@ -530,15 +530,21 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, rows: slice, out: Tensor, lse: Tens
         acc.copy_(out)
         acc_lse[:, :, rows] = lse
         return
-    old = acc_lse[:, :, rows]
+    new, w_old, w_new = _lse_join(acc_lse[:, :, rows], lse)
+    acc.mul_(w_old.transpose(1, 2)[..., None])
+    acc.addcmul_(out, w_new.transpose(1, 2)[..., None])
+    acc_lse[:, :, rows] = new
+
+
+def _lse_join(old: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(new, w_old, w_new): new = logaddexp(old, lse) and the weights exp(old - new),
+    exp(lse - new) of the two parts, 0 where both are -inf (rows that keep nothing)."""
     new = torch.logaddexp(old, lse)
     empty = new == float("-inf")
     safe = torch.where(empty, torch.zeros_like(new), new)
     w_old = torch.where(empty, torch.zeros_like(new), torch.exp(old - safe))
     w_new = torch.where(empty, torch.zeros_like(new), torch.exp(lse - safe))
-    acc.mul_(w_old.transpose(1, 2)[..., None])
-    acc.addcmul_(out, w_new.transpose(1, 2)[..., None])
-    acc_lse[:, :, rows] = new
+    return new, w_old, w_new
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
@@ -583,11 +589,8 @@ def _join_sink(acc_out: Tensor, acc_lse: Tensor, sink: Tensor) -> Tensor:
     merge over every K/V shard: the rows of ``acc_out`` are scaled by exp(lse - lse'), in place,
     and lse' = logaddexp(lse, sink[h]) is returned. Rows with no key get lse' = sink[h] and keep
     out = 0; a sink of -inf changes nothing."""
-    new = torch.logaddexp(acc_lse, sink.to(acc_lse.dtype).view(1, -1, 1))
-    empty = new == float("-inf")
-    w = torch.where(empty, torch.zeros_like(new),
-                    torch.exp(acc_lse - torch.where(empty, torch.zeros_like(new), new)))
-    acc_out.mul_(w.transpose(1, 2)[..., None])
+    new, w_old, _ = _lse_join(acc_lse, sink.to(acc_lse.dtype).view(1, -1, 1))
+    acc_out.mul_(w_old.transpose(1, 2)[..., None])
     return new
 
 

@@ -91,6 +91,22 @@ def _batched_sharding(zigzag: bool, world: int, rank: int, seqlen: int):
     return shard, unshard
 
 
+def _varlen_sharding(zigzag: bool, world: int, rank: int):
+    """(lens, cu, cu_local, shard, unshard) of packed sequences of 2 * world * VARLEN_CHUNKS
+    rows: each sequence sharded on its own (shard_varlen)."""
+    lens = [2 * world * c for c in VARLEN_CHUNKS]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
+
+    def shard(x):
+        return shard_varlen(x, cu, world, rank, zigzag)
+
+    def unshard(x):
+        return unshard_varlen(x, cu_local, world, zigzag)
+
+    return lens, cu, cu_local, shard, unshard
+
+
 def _assert_close(pairs, tol=None) -> None:
     """Max error of each (name, got, want) within RTOL (or tol[name]) of max |want|, floored at
     1 (the inputs' scale: with window (0, 0) dq is 0, up to rounding)."""
@@ -133,25 +149,14 @@ def _check_case(name: str, world: int, rank: int) -> None:
 
 def _check_varlen_case(name: str, world: int, rank: int) -> None:
     zigzag, causal, window, softcap, h, hk = VARLEN_CASES[name]
-    lens = [2 * world * c for c in VARLEN_CHUNKS]
-    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    total = int(cu[-1])
+    lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
     g = torch.Generator().manual_seed(list(VARLEN_CASES).index(name))
-    q, k, v, dout = (torch.randn(total, n, 8, generator=g, dtype=torch.float64)
+    q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
                      for n in (h, hk, hk, h))
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
     ref = flash_attn.flash_attn_varlen_func(qr, kr, vr, cu, cu, max(lens), max(lens),
                                             causal=causal, window_size=window, softcap=softcap)
     ref.backward(dout)
-
-    cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
-
-    def shard(x):
-        return shard_varlen(x, cu, world, rank, zigzag)
-
-    def unshard(x):
-        return unshard_varlen(x, cu_local, world, zigzag)
-
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out, lse = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world,
                                            causal=causal, window_size=window, softcap=softcap,
@@ -172,17 +177,9 @@ def _check_sink_case(name: str, world: int, rank: int) -> None:
     sink[-1] = float("-inf")
     kwargs = dict(causal=causal, window_size=window, softcap=softcap)
     if "varlen" in name:
-        lens = [2 * world * c for c in VARLEN_CHUNKS]
-        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
         q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
                          for n in (h, hk, hk, h))
-        cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
-
-        def shard(x):
-            return shard_varlen(x, cu, world, rank, zigzag)
-
-        def unshard(x):
-            return unshard_varlen(x, cu_local, world, zigzag)
 
         def ref_fn(q, k, v, sink):
             return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
