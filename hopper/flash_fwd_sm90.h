@@ -437,20 +437,17 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     using Packed = Sm90FwdTraits<T, kHeadDim, true, true>;
     // The band kernel, packed or not. Paged K/V in pages that do not hold whole key blocks come
     // in boxes of a page, whose loads the kValueWarp kernels (bf16/fp16) share between two
-    // producer warps. The two-group kValueWarp and the short-keys kernels have run on a GPU at
-    // the d256 tier only; the 160-224 tiers keep one loading warp and 80-key blocks until theirs
-    // have.
-    constexpr bool kTested = kHeadDim <= 128 || kHeadDim == 256;
+    // producer warps.
     const bool boxes = p.block_table != nullptr && p.page_size % Band::kBlockN != 0;
     auto launch_band = [&](auto pack_gqa) {
         constexpr bool kPack = decltype(pack_gqa)::value;
-        if constexpr (!Band::kFp8 && kTested) {
+        if constexpr (!Band::kFp8) {
             if (boxes) {
                 launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, kPack, false, true>>(p, stream);
                 return;
             }
         }
-        if constexpr (!kPack && kHeadDim > 192 && kTested) {
+        if constexpr (!kPack && kHeadDim > 192) {
             if (p.seqlen_k <= sm90_short_keys_max(Band::kFp8)) {
                 launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, false, false, false, true>>(
                     p, stream);

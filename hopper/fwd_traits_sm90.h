@@ -39,8 +39,7 @@ namespace flash {
 // of 16 / 256 took 576 / 526 us with one loading warp, 386 / 391 with two (16k keys, H200).
 // kShortKeys: the unpacked band kernel at d > 192 on 64-key blocks, for keys up to
 // sm90_short_keys_max (hopper/tile_size.h), an instantiation of its own: longer keys run faster
-// on the wider blocks. run_fwd_sm90 picks both at d > 128 only at the d256 tier, where they ran
-// on a GPU.
+// on the wider blocks.
 // T = cutlass::float_e4m3_t: the FP8 forward (q, k, v in e4m3, O in bf16, per-(batch, KV head)
 // descales in FwdParams), plain, band and packed kernels (no ALiBi), without clusters; V is
 // transposed in shared memory by the producer group's other warps (hopper/fp8_sm90.h).
