@@ -426,11 +426,15 @@ void run_fwd_sm90(FwdParams& p, cudaStream_t stream) {
     // the band kernel, whose mask and schedule handle them.
     const bool batched = !p.is_varlen() && p.seqused_k == nullptr && p.block_table == nullptr;
     const bool plain = !band && batched && whole_clusters<Plain>(p);
-    // e4m3 has no ALiBi kernel (the binding refuses ALiBi there).
+    // ALiBi: the same choice of plain or band kernel, each instantiated with the bias. e4m3 has
+    // no ALiBi kernel (the binding refuses ALiBi there).
     if constexpr (!Band::kFp8) {
-        using Alibi = Sm90FwdTraits<T, kHeadDim, true, false, true>;
         if (p.alibi_slopes != nullptr) {
-            launch_fwd_sm90<Alibi>(p, stream);
+            if (plain) {
+                launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, false, false, true>>(p, stream);
+            } else {
+                launch_fwd_sm90<Sm90FwdTraits<T, kHeadDim, true, false, true>>(p, stream);
+            }
             return;
         }
     }

@@ -446,14 +446,17 @@ struct Sm90FwdMainloop {
             if (p.v_descale) v_descale = p.v_descale[kv];
         }
 
-        // softcap, ALiBi's bias, then the mask where the block needs one (`may_mask` false: the
-        // caller knows it does not), then the online softmax (`lazy`: blocks after the first
-        // keep the running max unless it moved by a margin).
+        // softcap, ALiBi's bias (a row term of it handed to the softmax), then the mask where the
+        // block needs one (`may_mask` false: the caller knows it does not), then the online
+        // softmax (`lazy`: blocks after the first keep the running max unless it moved by a
+        // margin).
         auto scores = [&](auto& acc_s, int n, float (&corr)[kRows], auto may_mask, auto lazy) {
             Tensor s_rc = make_tensor(acc_s.data(), wgmma_acc_as_rows_cols(acc_s.layout()));
             if (p.softcap > 0.f) apply_softcap(acc_s, softcap_prescale);
+            [[maybe_unused]] std::conditional_t<Traits::kAlibi, RowTerm<kRows>, NoRowTerm> term;
             if constexpr (Traits::kAlibi) {
-                apply_alibi(s_rc, cS_rc, seq.alibi(p, bidb, bidh), g.row0, n * kBlockN);
+                apply_alibi_tile(s_rc, cS_rc, seq.alibi(p, bidb, bidh), g.row0, group_row0,
+                                 kWarpGroupRows, n * kBlockN, kBlockN, term.v);
             }
             if constexpr (decltype(may_mask)::value) {
                 if (mask.tile_needs_mask(group_q_row0, group_q_span, n * kBlockN, kBlockN)) {
@@ -461,9 +464,9 @@ struct Sm90FwdMainloop {
                 }
             }
             if constexpr (decltype(lazy)::value) {
-                softmax.template update_scores_lazy<T>(s_rc, scale_log2, corr, row_err);
+                softmax.template update_scores_lazy<T>(s_rc, scale_log2, corr, row_err, term);
             } else {
-                softmax.update_scores(s_rc, scale_log2, corr);
+                softmax.update_scores(s_rc, scale_log2, corr, term);
             }
         };
 

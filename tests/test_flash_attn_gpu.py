@@ -680,6 +680,24 @@ def _alibi_cases():
     return cases
 
 
+@pytest.mark.parametrize("case", params([Case("bf16", 64, 2500, 2500),
+                                          Case("bf16", 64, 2500, 2500, True),
+                                          Case("bf16", 128, 1100, 3000),
+                                          Case("fp16", 128, 3000, 1100, True),
+                                          Case("bf16", 128, 1700, 1700, window=(900, 300))]))
+def test_alibi_long(case: Case):
+    """Long sequences and 16 heads, whose steepest slopes (2^-0.5) put key tiles far from the
+    diagonal thousands of units below their rows' max: the kernels that split the bias into a
+    column and a row term per tile keep the exps near the diagonal exact (forward and backward
+    against the reference)."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(case, b=1, h=16, hk=4)
+    slopes = alibi_slopes(1, 16, False)
+    check_fwd_bwd(
+        lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=slopes, **case.api_kwargs()),
+        [q, k, v], plain_qkv, dict(case.ref_kwargs(), alibi_slopes=slopes))
+
+
 @pytest.mark.parametrize("case", params([Case("bf16", 128, 1000, 1000, True),
                                           Case("bf16", 64, 700, 900)]))
 def test_deterministic_with_alibi(case: Case):

@@ -69,6 +69,43 @@ __forceinline__ __device__ void apply_alibi(Tensor& s, Coord const& coord, Alibi
     }
 }
 
+// ALiBi's bias on a tile of a thread's fragment whose rows (group) are [rows0, rows0 + rows)
+// and columns [col0, col0 + cols); `s`, `coord`, `row0` and `col0` as for apply_alibi. On a tile
+// wholly on one side of the diagonal (distance d = query + shift - key of one sign; every tile
+// but those the diagonal crosses) the bias -slope |d| is linear in d: a column term, an FMA
+// with a compile-time offset per score, and a row term left to the softmax in `term`
+// (softmax.h: RowTerm), instead of the distance's add and the bias's FMA per score. Both terms
+// are taken relative to the thread's first coordinates, so the column term stays small and the
+// row term's rounding only touches tiles far from the diagonal, whose exps are 0 or negligible.
+// Tiles the diagonal crosses get apply_alibi and a zero row term.
+template <class Tensor, class Coord, int kRows>
+__forceinline__ __device__ void apply_alibi_tile(Tensor& s, Coord const& coord,
+                                                 AlibiBias const& bias, int row0, int rows0,
+                                                 int rows, int col0, int cols,
+                                                 float (&term)[kRows]) {
+    const int d_min = rows0 + bias.shift - (col0 + cols - 1);
+    const int d_max = rows0 + rows - 1 + bias.shift - col0;
+    if (d_min < 0 && d_max > 0) {
+        apply_alibi(s, coord, bias, row0, col0);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) term[r] = 0.f;
+        return;
+    }
+    // -slope |d| = -slope_d d, slope_d = slope with d's sign; d = d0 + row offset - col offset.
+    const float slope_d = d_min >= 0 ? bias.slope : -bias.slope;
+    const auto base = coord(0, 0);
+    const auto offsets = coord.layout();
+    const float d0 = float(row0 + int(get<0>(base)) + bias.shift - col0 - int(get<1>(base)));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+        term[r] = -slope_d * (d0 + float(int(get<0>(offsets(r, 0)))));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+            s(r, c) = fmaf(slope_d, float(int(get<1>(offsets(r, c)))), s(r, c));
+        }
+    }
+}
+
 // Whether a thread's columns are those of mma accumulators: pairs of neighbouring columns 8
 // apart, column c of the (rows, cols) view at offset 8 (c / 2) + c % 2 (SM80 mma.sync and SM90
 // WGMMA alike).

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
@@ -44,6 +45,18 @@ __forceinline__ __device__ float round_to(float x) {
     return __uint_as_float((bits + half) & ~((1u << kDropped) - 1));
 }
 
+// A term per row that a key tile's scores still lack: the softmax treats row r's scores as
+// s(r, c) + v[r] without adding it to each of them. ALiBi's bias on a tile wholly on one side of
+// the diagonal is a column term (one FMA per score, against two for the bias itself) plus such a
+// row term (score.h). NoRowTerm: the scores are complete.
+struct NoRowTerm {};
+template <int kRows>
+struct RowTerm {
+    float v[kRows];
+};
+template <class Term>
+inline constexpr bool kHasRowTerm = !std::is_same_v<Term, NoRowTerm>;
+
 // Online softmax over key tiles for the rows this thread holds.
 template <int kRows>
 struct OnlineSoftmax {
@@ -71,11 +84,17 @@ struct OnlineSoftmax {
     // Split out so that a kernel whose output GEMM is still in flight can defer the rescale.
     // Branch-free: every row's max is reduced before any exp, so the quad shuffles of all rows
     // overlap instead of serialising behind per-row branches.
-    template <class S>
-    __forceinline__ __device__ void update_scores(S& s, float scale_log2, float (&corr)[kRows]) {
+    // `term`: see RowTerm; the running max and the LSE include it.
+    template <class S, class Term = NoRowTerm>
+    __forceinline__ __device__ void update_scores(S& s, float scale_log2, float (&corr)[kRows],
+                                                  Term const& term = Term{}) {
         float m_new[kRows];
         CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) m_new[r] = fmaxf(row_max[r], row_reduce<MaxOp>(s, r));
+        for (int r = 0; r < kRows; ++r) {
+            float m = row_reduce<MaxOp>(s, r);
+            if constexpr (kHasRowTerm<Term>) m += term.v[r];
+            m_new[r] = fmaxf(row_max[r], m);
+        }
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) m_new[r] = quad_max(m_new[r]);
         float m_scaled[kRows];
@@ -89,12 +108,18 @@ struct OnlineSoftmax {
             row_sum[r] *= corr[r];
         }
         CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c)
-                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
-            row_sum[r] += row_reduce<SumOp>(s, r);
-        }
+        for (int r = 0; r < kRows; ++r) exps(s, r, scale_log2, m_scaled[r], term);
+    }
+
+    // Row r: s = exp2((s + term) * scale_log2 - m_scaled), summed into row_sum. The term moves
+    // into the row's constant, so a score costs the same FMA either way.
+    template <class S, class Term>
+    __forceinline__ __device__ void exps(S& s, int r, float scale_log2, float m_scaled,
+                                         Term const& term) {
+        if constexpr (kHasRowTerm<Term>) m_scaled = fmaf(-term.v[r], scale_log2, m_scaled);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled);
+        row_sum[r] += row_reduce<SumOp>(s, r);
     }
 
     // update_scores() for a block after the first: the exps keep the running max unless a row of
@@ -109,9 +134,10 @@ struct OnlineSoftmax {
     // (finalize()), so such a row's output stays as exact as with max-1 exps; the LSE keeps the
     // exact sum.
     static constexpr float kLazyMargin = 8.f;
-    template <class T, class S>
+    template <class T, class S, class Term = NoRowTerm>
     __forceinline__ __device__ void update_scores_lazy(S& s, float scale_log2,
-                                                       float (&corr)[kRows], float* err) {
+                                                       float (&corr)[kRows], float* err,
+                                                       Term const& term = Term{}) {
         float m_scaled[kRows];
         float top_err[kRows];
         bool rises = false;
@@ -121,14 +147,15 @@ struct OnlineSoftmax {
             const bool none = row_max[r] == -INFINITY;
             m_scaled[r] = none ? 0.f : row_max[r] * scale_log2;
             const float limit = none ? -INFINITY : m_scaled[r] + kLazyMargin;
-            const float m_thread = row_reduce<MaxOp>(s, r);
+            float m_thread = row_reduce<MaxOp>(s, r);
+            if constexpr (kHasRowTerm<Term>) m_thread += term.v[r];
             rises |= m_thread * scale_log2 > limit;
             // Off the exps' path: only the lazy branch below reads it.
             const float top = exp2f(m_thread * scale_log2 - m_scaled[r]);
             top_err[r] = round_to<T>(top) - top;
         }
         if (__any_sync(0xffffffffu, rises)) {
-            update_scores(s, scale_log2, corr);
+            update_scores(s, scale_log2, corr, term);
             CUTE_UNROLL
             for (int r = 0; r < kRows; ++r) err[r] *= corr[r];
             return;
@@ -137,10 +164,7 @@ struct OnlineSoftmax {
         for (int r = 0; r < kRows; ++r) {
             corr[r] = 1.f;
             err[r] += top_err[r];
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(s); ++c)
-                s(r, c) = exp2f(s(r, c) * scale_log2 - m_scaled[r]);
-            row_sum[r] += row_reduce<SumOp>(s, r);
+            exps(s, r, scale_log2, m_scaled[r], term);
         }
     }
 
