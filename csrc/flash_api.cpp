@@ -507,10 +507,14 @@ void fill_shape(flash::AttnShape& s, const Problem& pb,
 }
 
 // ALiBi slopes: float32 (nheads,) or (batch, nheads), last dim contiguous, on q's device;
-// fill_shape first (the unit depends on the scale and softcap).
-void set_alibi(flash::AttnShape& s, const std::optional<Tensor>& slopes, const Problem& pb,
-               const Tensor& q) {
+// fill_shape first (the unit depends on the scale and softcap). `offset`:
+// AttnShape::alibi_offset.
+void set_alibi(flash::AttnShape& s, const std::optional<Tensor>& slopes, int64_t offset,
+               const Problem& pb, const Tensor& q) {
     if (!slopes.has_value()) return;
+    FA_CHECK(offset >= -(int64_t(1) << 30) && offset <= (int64_t(1) << 30),
+             "flash_attn: alibi_offset must be within +-2^30, got ", offset);
+    s.alibi_offset = int(offset);
     const Tensor& a = *slopes;
     FA_CHECK(a.scalar_type() == ScalarType::Float && a.device() == q.device() &&
                  stride_at(a, -1) == 1 &&
@@ -663,7 +667,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
                                const std::optional<Tensor>& rng_state, int64_t sm_margin,
                                const std::optional<Tensor>& q_descale,
                                const std::optional<Tensor>& k_descale,
-                               const std::optional<Tensor>& v_descale) {
+                               const std::optional<Tensor>& v_descale, int64_t alibi_offset) {
     FA_CHECK(sm_margin >= 0, "flash_attn: sm_margin must be >= 0, got ", sm_margin);
     const Problem pb = describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, kv_batch_idx, block_table);
@@ -720,7 +724,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k_in, const Ten
     if (seqused_k.has_value()) p.seqused_k = ptr<int>(*seqused_k);
     if (kv_batch_idx.has_value()) p.kv_batch_idx = ptr<int>(*kv_batch_idx);
     if (leftpad_k.has_value()) p.leftpad_k = ptr<int>(*leftpad_k);
-    set_alibi(p, alibi_slopes, pb, q);
+    set_alibi(p, alibi_slopes, alibi_offset, pb, q);
     set_dropout(p, dropout_p, rng_state, q);
     p.sm_margin = int(std::min<int64_t>(sm_margin, 1 << 20));
     if (sink.has_value()) p.sink = ptr<float>(*sink);
@@ -758,7 +762,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     const std::optional<Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, bool deterministic, const std::optional<Tensor>& alibi_slopes,
-    double dropout_p, const std::optional<Tensor>& rng_state) {
+    double dropout_p, const std::optional<Tensor>& rng_state, int64_t alibi_offset) {
     const Problem pb =
         describe(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     check_cuda_tensor(dout_in, "dout", q_in);
@@ -818,7 +822,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     flash::BwdParams p;
     fill_shape(p, pb, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right,
                softcap, stream);
-    set_alibi(p, alibi_slopes, pb, q);
+    set_alibi(p, alibi_slopes, alibi_offset, pb, q);
     set_dropout(p, dropout_p, rng_state, q);
     p.q = q.data_ptr();
     p.k = k.data_ptr();
@@ -1074,7 +1078,7 @@ std::tuple<Tensor, Tensor> fwd_plain(const Tensor& q, const Tensor& k, const Ten
     return fwd(q, k, v, std::nullopt, std::nullopt, std::nullopt, integer(0), integer(1),
                nums[2], nums[3] != 0.0, integer(4), integer(5), nums[6], std::nullopt,
                std::nullopt, std::nullopt, std::nullopt, std::nullopt, 0.0, std::nullopt,
-               integer(7), std::nullopt, std::nullopt, std::nullopt);
+               integer(7), std::nullopt, std::nullopt, std::nullopt, 0);
 }
 
 std::tuple<Tensor, Tensor, Tensor> bwd_plain(const Tensor& dout, const Tensor& q,
@@ -1087,7 +1091,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd_plain(const Tensor& dout, const Tensor& q
     auto integer = [&](size_t i) { return static_cast<int64_t>(nums[i]); };
     return bwd(dout, q, k, v, out, lse, std::nullopt, std::nullopt, integer(0), integer(1),
                nums[2], nums[3] != 0.0, integer(4), integer(5), nums[6], nums[7] != 0.0,
-               std::nullopt, 0.0, std::nullopt);
+               std::nullopt, 0.0, std::nullopt, 0);
 }
 
 FLASH_ATTN_LIBRARY(FLASH_ATTN_OP_NAMESPACE, m) {
@@ -1098,13 +1102,14 @@ FLASH_ATTN_LIBRARY(FLASH_ATTN_OP_NAMESPACE, m) {
         "Tensor? kv_batch_idx=None, Tensor? block_table=None, Tensor? leftpad_k=None, "
         "Tensor? alibi_slopes=None, Tensor? sink=None, float dropout_p=0.0, "
         "Tensor? rng_state=None, int sm_margin=0, Tensor? q_descale=None, "
-        "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)");
+        "Tensor? k_descale=None, Tensor? v_descale=None, int alibi_offset=0) -> (Tensor, "
+        "Tensor)");
     m.def(
         "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
         "bool deterministic, Tensor? alibi_slopes=None, float dropout_p=0.0, "
-        "Tensor? rng_state=None) -> (Tensor, Tensor, Tensor)");
+        "Tensor? rng_state=None, int alibi_offset=0) -> (Tensor, Tensor, Tensor)");
     m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float[] nums) -> (Tensor, Tensor)");
     m.def(
         "bwd_plain(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "

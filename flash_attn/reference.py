@@ -14,8 +14,10 @@ Semantics (shared with the CUDA kernels):
 * ``seqused_k[b]`` (optional) limits batch ``b`` to its first ``seqused_k[b]`` keys; the mask's
   ``seqlen_k`` is then ``seqused_k[b]``.
 * ``alibi_slopes`` (optional, ``(nheads,)`` or ``(batch, nheads)``): the bias
-  ``-slope * |i + shift - j|`` (``shift`` as for the masks) is added to ``s`` of query head
-  ``h`` (after the softcap), with ``slope = alibi_slopes[h]`` or ``alibi_slopes[b, h]``.
+  ``-slope * |i + shift + alibi_offset - j|`` (``shift`` as for the masks; ``alibi_offset``, 0
+  by default, places a sub-block of a longer sequence, as ring attention calls it) is added to
+  ``s`` of query head ``h`` (after the softcap), with ``slope = alibi_slopes[h]`` or
+  ``alibi_slopes[b, h]``.
 * Query head ``h`` reads key/value head ``h // (nheads // nheads_k)`` (GQA / MQA). v's head
   dim may differ from q's and k's (MLA); the output has v's, ``softmax_scale`` defaults to
   ``1 / sqrt`` of q's.
@@ -134,15 +136,16 @@ def _scores(q: Tensor, k: Tensor, softmax_scale: float, softcap: float):
 
 
 def _alibi_bias(slopes: Tensor, seqlen_q: int, seqlen_k: int, seqused_k: Optional[Tensor],
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, offset: int = 0) -> Tensor:
     """ALiBi's bias for slopes (h,) or (b, h), broadcastable to (b, h, sq, sk):
-    -slope * |i + sk - sq - j|, with sk the sequence's keys (seqused_k[b] when given)."""
+    -slope * |i + sk - sq + offset - j|, with sk the sequence's keys (seqused_k[b] when
+    given)."""
     device = slopes.device
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     j = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     sk = seqlen_k if seqused_k is None else seqused_k.to(device).long().view(-1, 1, 1, 1)
     per_head = slopes.to(dtype).view(-1, slopes.shape[-1], 1, 1)
-    return -per_head * (i + sk - seqlen_q - j).abs().to(dtype)
+    return -per_head * (i + sk - seqlen_q + offset - j).abs().to(dtype)
 
 
 def _sequence_slopes(alibi_slopes: Optional[Tensor], b: int) -> Optional[Tensor]:
@@ -198,9 +201,10 @@ def _sink_logits(sink: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]
 
 
 def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-                   alibi=None, sink=None, drop=None):
+                   alibi=None, sink=None, drop=None, alibi_offset=0):
     """All inputs in the compute dtype, q (b, sq, h, d), k/v (b, sk, hk, d); alibi (h,),
-    (b, h) or None; sink (h,) or None; drop: dropout's factor (b, h, sq, sk) or None.
+    (b, h) or None, alibi_offset as in the module docstring; sink (h,) or None; drop:
+    dropout's factor (b, h, sq, sk) or None.
 
     Returns out (b, sq, h, d), lse (b, h, sq), both in the compute dtype."""
     b, sq, h, d = q.shape
@@ -209,7 +213,7 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
     ve = _expand_kv_heads(v, h)
     s, _ = _scores(q, ke, softmax_scale, softcap)
     if alibi is not None:
-        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
+        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype, alibi_offset)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, lse = _masked_softmax(s, keep, _sink_logits(sink, s.dtype))
     if seqused_k is not None:
@@ -222,7 +226,7 @@ def _forward_dense(q, k, v, softmax_scale, causal, window_left, window_right, so
 
 def _backward_dense(
     dout, q, k, v, softmax_scale, causal, window_left, window_right, softcap, seqused_k,
-    alibi=None, sink=None, drop=None,
+    alibi=None, sink=None, drop=None, alibi_offset=0,
 ):
     """Explicit gradients of _forward_dense's out w.r.t. q, k, v (all in the compute dtype).
     The sink only changes p (its column has no value, so the formulas are otherwise those
@@ -233,7 +237,7 @@ def _backward_dense(
     ve = _expand_kv_heads(v, h)
     s, t = _scores(q, ke, softmax_scale, softcap)
     if alibi is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
-        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype)
+        s = s + _alibi_bias(alibi, sq, sk, seqused_k, s.dtype, alibi_offset)
     keep = keep_mask(sq, sk, causal, window_left, window_right, seqused_k, device=q.device)
     p, _ = _masked_softmax(s, keep, _sink_logits(sink, s.dtype))
     dv = torch.einsum("bhqk,bqhd->bkhd", p if drop is None else p * drop, dout)
@@ -298,6 +302,7 @@ def attention_forward_ref(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Reference forward.
 
@@ -309,7 +314,8 @@ def attention_forward_ref(
         seqused_k: (batch,) int32 or None: batch b only uses its first seqused_k[b] keys.
         max_seqlen_q, max_seqlen_k: ignored (the reference reads the lengths from cu_seqlens).
         softmax_scale: default 1 / sqrt(headdim).
-        causal, window_left, window_right, softcap, alibi_slopes: see the module docstring.
+        causal, window_left, window_right, softcap, alibi_slopes, alibi_offset: see the module
+            docstring.
         sink: (nheads,) or None: the learnable sink's logits (module docstring).
         dropout_p, rng_state: dropout (module docstring); rng_state (2,) int64 when
             dropout_p > 0.
@@ -328,7 +334,7 @@ def attention_forward_ref(
     if cu_seqlens_q is None:
         out, lse = _forward_dense(
             qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]),
+            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]), alibi_offset,
         )
         return out.to(q.dtype).contiguous(), lse.to(lse_dtype).contiguous()
 
@@ -344,7 +350,7 @@ def attention_forward_ref(
         o, l = _forward_dense(
             qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0), vc[k0:k1].unsqueeze(0),
             scale, causal, window_left, window_right, softcap, None,
-            _sequence_slopes(alibi_slopes, b), sink, drop(b, 1, q1 - q0, k1 - k0),
+            _sequence_slopes(alibi_slopes, b), sink, drop(b, 1, q1 - q0, k1 - k0), alibi_offset,
         )
         out_parts.append(o[0])
         lse_parts.append(l[0])
@@ -382,6 +388,7 @@ def attention_backward_ref(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Reference backward: (dq, dk, dv) in the dtypes of (q, k, v), contiguous.
 
@@ -392,7 +399,8 @@ def attention_backward_ref(
     forward). ``dk``/``dv`` are summed over each GQA group. Rows with no kept key contribute
     nothing. ``sink`` (nheads,) is the forward's learnable sink (it changes the
     probabilities); its own gradient is :func:`flash_attn.ops.sink_grad`, from out, dout and
-    softmax_lse. ``dropout_p`` and ``rng_state`` replay the forward's dropout mask.
+    softmax_lse. ``dropout_p`` and ``rng_state`` replay the forward's dropout mask;
+    ``alibi_offset`` is the forward's.
     """
     del out, softmax_lse, max_seqlen_q, max_seqlen_k
     cdt = _compute_dtype(q, k, v, dout, sink)
@@ -402,7 +410,7 @@ def attention_backward_ref(
     if cu_seqlens_q is None:
         dq, dk, dv = _backward_dense(
             doc, qc, kc, vc, scale, causal, window_left, window_right, softcap, seqused_k,
-            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]),
+            alibi_slopes, sink, drop(0, q.shape[0], q.shape[1], k.shape[1]), alibi_offset,
         )
     else:
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
@@ -416,6 +424,7 @@ def attention_backward_ref(
                 doc[q0:q1].unsqueeze(0), qc[q0:q1].unsqueeze(0), kc[k0:k1].unsqueeze(0),
                 vc[k0:k1].unsqueeze(0), scale, causal, window_left, window_right, softcap, None,
                 _sequence_slopes(alibi_slopes, b), sink, drop(b, 1, q1 - q0, k1 - k0),
+                alibi_offset,
             )
             dq[q0:q1] = g[0][0]
             dk[k0:k1] = g[1][0]

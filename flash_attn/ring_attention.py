@@ -34,7 +34,10 @@ sink's gradient is summed over the ranks.
 Masks (causal, sliding window) are in global positions. Each (query chunk, key chunk) pair is
 cut down to the rows and columns that see at least one key, and the kernel is called on that
 sub-block with the window re-expressed in the kernel's bottom-right alignment (or with no mask
-when the sub-block is fully visible, and not at all when nothing is visible).
+when the sub-block is fully visible, and not at all when nothing is visible). ALiBi's bias is
+in global positions too: each call gets its sub-block's ``alibi_offset`` (the kernels move the
+bias by it, not the mask), and sub-blocks are joined into one call only where they are
+neighbours in the sequence as well.
 
 Device paths: CUDA calls the kernels through :func:`flash_attn.ops.flash_attn_fwd` /
 :func:`flash_attn.ops.flash_attn_bwd`; the CUDA backward kernel reads the ``out`` and
@@ -56,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _fp8, ops, reference
-from ._validation import _check_sink
+from ._validation import _check_alibi, _check_sink
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
@@ -165,14 +168,23 @@ class _Block:
 
     ``rows`` / ``cols`` are local slices of the query / key shard; ``causal``,
     ``window_left``, ``window_right`` are the kernel's arguments for that sub-block (bottom-right
-    aligned, -1 unbounded)."""
+    aligned, -1 unbounded). ``pos`` is the global position of its first row minus that of its
+    first column (ALiBi's distance at local (0, 0)); ``seq`` the sequence it belongs to."""
 
-    __slots__ = ("rows", "cols", "causal", "window_left", "window_right")
+    __slots__ = ("rows", "cols", "causal", "window_left", "window_right", "pos", "seq")
 
     def __init__(self, rows: slice, cols: slice, causal: bool, window_left: int,
-                 window_right: int):
+                 window_right: int, pos: int = 0, seq: int = 0):
         self.rows, self.cols = rows, cols
         self.causal, self.window_left, self.window_right = causal, window_left, window_right
+        self.pos, self.seq = pos, seq
+
+    def alibi_offset(self) -> int:
+        """The kernels' ``alibi_offset`` for this sub-block: their distance
+        ``i + (ncols - nrows) + offset - j`` is then the global one, ``pos + i - j``."""
+        nrows = self.rows.stop - self.rows.start
+        ncols = self.cols.stop - self.cols.start
+        return self.pos - (ncols - nrows)
 
 
 def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[_Block]:
@@ -201,25 +213,28 @@ def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[
     # The band in the sub-block's coordinates.
     lo, hi = lo + r0 - c0, hi + r0 - c0
     rows, cols = slice(ql0 + r0, ql0 + r1 + 1), slice(kl0 + c0, kl0 + c1 + 1)
+    pos = (q0 + r0) - (k0 + c0)
     if lo <= -(nrows - 1) and hi >= ncols - 1:
-        return _Block(rows, cols, False, -1, -1)
+        return _Block(rows, cols, False, -1, -1, pos)
     o = ncols - nrows
     wl = -1 if math.isinf(lo) else int(o - lo)
     wr = -1 if math.isinf(hi) else int(hi - o)
     assert (wl >= 0 or math.isinf(lo)) and (wr >= 0 or math.isinf(hi)), (qseg, kseg, lo, hi)
     # The kernels take a causal mask as causal=True with window_right 0.
-    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr)
+    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr, pos)
 
 
 def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
-            right: float) -> List[_Block]:
+            right: float, positional: bool = False) -> List[_Block]:
     """The visible sub-blocks between the segments of each sequence (sequences never see each
-    other)."""
+    other). ``positional``: the kernels see global positions (ALiBi), see :func:`_coalesce`."""
     out = []
-    for qseq, kseq in zip(qsegs, ksegs):
+    for seq, (qseq, kseq) in enumerate(zip(qsegs, ksegs)):
         blocks = [b for qs in qseq for ks in kseq
                   if (b := _block(qs, ks, left, right)) is not None]
-        out += _coalesce(blocks)
+        for b in blocks:
+            b.seq = seq
+        out += _coalesce(blocks, positional)
     return out
 
 
@@ -227,9 +242,11 @@ def _unmasked(b: _Block) -> bool:
     return not b.causal and b.window_left == -1 and b.window_right == -1
 
 
-def _coalesce(blocks: List[_Block]) -> List[_Block]:
+def _coalesce(blocks: List[_Block], positional: bool = False) -> List[_Block]:
     """Joins neighbouring sub-blocks into one kernel call where the joined block's mask is exact:
     fewer, larger calls and fewer merges (zigzag: 2 calls per step instead of up to 4).
+    ``positional`` (ALiBi, whose bias is one offset per call): only blocks that are neighbours
+    in global positions too, so that the joined block has one ``pos``.
 
     * Same rows, adjacent columns, the left block fully visible and the right one unbounded on
       the left (no mask, causal, or window_left -1): the right block's mask, bottom-right
@@ -243,13 +260,17 @@ def _coalesce(blocks: List[_Block]) -> List[_Block]:
             for j, b in enumerate(blocks):
                 if i == j:
                     continue
+                width = a.cols.stop - a.cols.start
+                height = a.rows.stop - a.rows.start
                 if (a.rows == b.rows and a.cols.stop == b.cols.start and _unmasked(a)
-                        and b.window_left == -1):
+                        and b.window_left == -1
+                        and (not positional or b.pos == a.pos - width)):
                     joined = _Block(a.rows, slice(a.cols.start, b.cols.stop), b.causal, -1,
-                                    b.window_right)
+                                    b.window_right, a.pos, a.seq)
                 elif (a.cols == b.cols and a.rows.stop == b.rows.start and _unmasked(a)
-                      and _unmasked(b)):
-                    joined = _Block(slice(a.rows.start, b.rows.stop), a.cols, False, -1, -1)
+                      and _unmasked(b) and (not positional or b.pos == a.pos + height)):
+                    joined = _Block(slice(a.rows.start, b.rows.stop), a.cols, False, -1, -1,
+                                    a.pos, a.seq)
                 else:
                     continue
                 blocks = [x for n, x in enumerate(blocks) if n not in (i, j)] + [joined]
@@ -274,37 +295,62 @@ def _coalesce(blocks: List[_Block]) -> List[_Block]:
 _SM_MARGIN = 8
 
 
+class _Alibi:
+    """ALiBi's slopes under sharding: float32 (nheads,) for every sequence, or one row per
+    sequence (batched: (batch, nheads), which the kernels take as is; varlen: (nseqs, nheads),
+    the row of the block's sequence)."""
+
+    __slots__ = ("slopes", "per_sequence")
+
+    def __init__(self, slopes: Tensor, per_sequence: bool):
+        self.slopes, self.per_sequence = slopes, per_sequence
+
+    def of(self, blk: _Block) -> Tensor:
+        return self.slopes[blk.seq] if self.per_sequence else self.slopes
+
+
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
-               softcap: float, sm_margin: int) -> Tuple[Tensor, Tensor]:
+               softcap: float, sm_margin: int,
+               alibi: Optional[_Alibi] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q's rows against one K/V block, lse (batch, nheads, rows) with +inf on
     rows that keep no key. CUDA: the kernel (out in q's dtype, lse float32), leaving
-    ``sm_margin`` SMs free; CPU: the compute dtype (float64 for float64 inputs) for both."""
+    ``sm_margin`` SMs free; CPU: the compute dtype (float64 for float64 inputs) for both.
+    ALiBi's bias is that of the block's global positions (``alibi_offset``)."""
+    slopes = None if alibi is None else alibi.of(blk)
+    offset = blk.alibi_offset()
     if q.is_cuda:
         return ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale,
                                   blk.causal, blk.window_left, blk.window_right, softcap,
-                                  sm_margin=sm_margin)
+                                  alibi_slopes=slopes, sm_margin=sm_margin,
+                                  alibi_offset=offset)
     cdt = reference._compute_dtype(q, k, v)
     return reference._forward_dense(q.to(cdt), k.to(cdt), v.to(cdt), scale, blk.causal,
-                                    blk.window_left, blk.window_right, softcap, None)
+                                    blk.window_left, blk.window_right, softcap, None,
+                                    alibi=slopes, alibi_offset=offset)
 
 
 def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-               scale: float, blk: _Block, softcap: float,
-               deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+               scale: float, blk: _Block, softcap: float, deterministic: bool,
+               alibi: Optional[_Alibi] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one K/V block given the merged ``out`` and ``lse`` of q's rows: the
     probabilities are ``exp(s - lse)`` with the global lse and the softmax term uses
     ``rowsum(dout * out)`` with the global out, as in the kernels' backward. dk/dv are summed
-    over each GQA group."""
+    over each GQA group. ALiBi as in :func:`_block_fwd`."""
+    slopes = None if alibi is None else alibi.of(blk)
+    offset = blk.alibi_offset()
     if q.is_cuda:
         # The row slice of lse is strided; the kernel reads it as a contiguous array.
         return ops.flash_attn_bwd(dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1],
                                   k.shape[1], scale, blk.causal, blk.window_left,
-                                  blk.window_right, softcap, deterministic)
+                                  blk.window_right, softcap, deterministic,
+                                  alibi_slopes=slopes, alibi_offset=offset)
     cdt = reference._compute_dtype(q, k, v, dout)
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
     h, hk = q.shape[2], k.shape[2]
     ke, ve = reference._expand_kv_heads(kc, h), reference._expand_kv_heads(vc, h)
     s, t = reference._scores(qc, ke, scale, softcap)
+    if slopes is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
+        s = s + reference._alibi_bias(slopes, q.shape[1], k.shape[1], None, s.dtype, offset)
     keep = reference.keep_mask(q.shape[1], k.shape[1], blk.causal, blk.window_left,
                                blk.window_right, device=q.device)
     # lse is +inf on rows without any kept key anywhere: exp gives 0 there.
@@ -549,7 +595,8 @@ def _lse_join(old: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
                   zigzag: bool, scale: float, left: float, right: float,
-                  softcap: float, sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                  softcap: float, sink: Optional[Tensor],
+                  alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
     b, s, h, d = q.shape
     cdt = reference._compute_dtype(q, k, v)
     acc_out = torch.zeros(b, s, h, d, dtype=cdt, device=q.device)
@@ -564,9 +611,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
         if sending:
             reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
-        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
+        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right,
+                           alibi is not None):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
-                                blk, softcap, ring.margin(sending))
+                                blk, softcap, ring.margin(sending), alibi)
             fresh = not bool(touched[blk.rows].any())
             _merge(acc_out, acc_lse, blk.rows, o, lse, fresh)
             touched[blk.rows] = True
@@ -606,8 +654,8 @@ def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor,
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    ring: _Ring, seqlens: List[int], zigzag: bool, scale: float, left: float,
-                   right: float, softcap: float,
-                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                   right: float, softcap: float, deterministic: bool,
+                   alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor, Tensor]:
     cdt = reference._compute_dtype(q, k, v, dout)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
@@ -622,10 +670,12 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
         grads: List[Tuple[slice, Tensor, Tensor]] = []
-        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right):
+        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right,
+                           alibi is not None):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],
-                                       lse[:, :, blk.rows], scale, blk, softcap, deterministic)
+                                       lse[:, :, blk.rows], scale, blk, softcap, deterministic,
+                                       alibi)
             dq[:, blk.rows] += g_q
             grads.append((blk.cols, g_k, g_v))
         # The accumulator of this K/V block arrives from the previous rank (which had the block
@@ -663,16 +713,17 @@ class _RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ring: _Ring,
                 seqlens: List[int], zigzag: bool, scale: float, left: float, right: float,
-                softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+                softcap: float, deterministic: bool,
+                alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
         if any(ctx.needs_input_grad[:3]):
             # The dK/dV channel's room now rather than in the backward, where every rank would
             # stop for a collective reallocation.
             cdt = reference._compute_dtype(q, k, v)
             ring.reserve(_TAG_DKV, 2 * k.numel() * torch.empty((), dtype=cdt).element_size())
         out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap,
-                                 sink)
+                                 sink, alibi)
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic)
+        ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic, alibi)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -687,7 +738,7 @@ class _RingFlashAttnFunc(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = _sink_grad(dout, out, lse, sink, ctx.args[0].group)
-        return (dq, dk, dv, dsink) + (None,) * 8
+        return (dq, dk, dv, dsink) + (None,) * 9
 
 
 # --------------------------------------------------------------------------------------------
@@ -798,17 +849,16 @@ def _check_shapes(fn: str, q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
 
 
 def _unsupported(fn: str, qkv: Tuple[Tensor, Tensor, Tensor], dropout_p: float,
-                 alibi_slopes: Optional[Tensor], return_attn_probs: bool, window_size,
-                 softcap: float) -> None:
+                 return_attn_probs: bool, window_size, softcap: float) -> None:
     if any(_fp8.is_fp8(x) for x in qkv):
         # The partial outputs would be merged and returned in the inputs' dtype, and the
         # descales have no argument here.
         raise NotImplementedError(f"{fn}: FP8 (float8_e4m3fn) inputs are not implemented under "
                                   f"sharding; pass bf16/fp16 shards")
     if dropout_p != 0.0:
+        # The kernels draw the mask from each score's position in the call, not in the
+        # sequence: the shards' masks would not be the single-device call's.
         raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not implemented under sharding")
     if return_attn_probs:
         raise NotImplementedError(f"{fn}: return_attn_probs is not implemented under sharding "
                                   f"(use return_softmax_lse for the log-sum-exp)")
@@ -823,7 +873,8 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
                     cu_seqlens: Optional[Tensor], local: Optional[str],
                     group: Optional[dist.ProcessGroup], world: int, rank: int, causal: bool,
                     window_size, softcap: float, softmax_scale: Optional[float], zigzag: bool,
-                    deterministic: bool, sink: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                    deterministic: bool, sink: Optional[Tensor],
+                    alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
     """The checks that involve the group, then the ring, on 4-D q, k, v."""
     backend_err = _backend_error(q.device, dist.get_backend(group))
     if backend_err is not None:
@@ -838,7 +889,7 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
     q, k, v = (x.contiguous() for x in (q, k, v))
     ring = _make_ring(group, world, rank, q.device)
     return _RingFlashAttnFunc.apply(q, k, v, sink, ring, seqlens, zigzag, scale, left, right,
-                                    float(softcap), deterministic)
+                                    float(softcap), deterministic, alibi)
 
 
 def ring_flash_attn_func(
@@ -877,8 +928,10 @@ def ring_flash_attn_func(
         softmax_scale: default ``1 / sqrt(headdim)``.
         zigzag: True: rank r of N holds chunks r and 2N-1-r of the sequence split into 2N
             (:func:`zigzag_shard`); False: rank r holds rows ``[r * S, (r + 1) * S)``.
-        dropout_p, alibi_slopes, return_attn_probs: not implemented under sharding (a value
-            other than the default raises NotImplementedError).
+        dropout_p, return_attn_probs: not implemented under sharding (a value other than the
+            default raises NotImplementedError).
+        alibi_slopes: (nheads,) or (batch, nheads) float32, optional, the same on every rank:
+            the bias ``-slope * |i - j|`` over global positions i, j of the sequence.
         deterministic: handed to the CUDA backward kernel (the ring's own order is fixed).
         return_softmax_lse: also return this rank's rows of the log-sum-exp.
         s_aux: (nheads,) float32 or q's dtype, optional: the learnable attention sink of
@@ -898,23 +951,26 @@ def ring_flash_attn_func(
     CPU, NCCL: CUDA).
     """
     fn = "ring_flash_attn_func"
-    _unsupported(fn, (q, k, v), dropout_p, alibi_slopes, return_attn_probs, window_size,
-                 softcap)
+    _unsupported(fn, (q, k, v), dropout_p, return_attn_probs, window_size, softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
         out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                       window_size=tuple(window_size), softcap=softcap,
-                                      deterministic=deterministic, return_attn_probs=True,
-                                      s_aux=s_aux, learnable_sink=learnable_sink)
+                                      alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                      return_attn_probs=True, s_aux=s_aux,
+                                      learnable_sink=learnable_sink)
         return (out, lse) if return_softmax_lse else out
     local = None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         local = (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
                  f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     sink, sink_err = _ring_sink(fn, s_aux, learnable_sink, q, local)
+    alibi, alibi_err = _ring_alibi(fn, alibi_slopes, q, None if local else q.shape[0], False,
+                                   local)
     out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None,
-                               local or sink_err, group, world, rank, causal, window_size,
-                               softcap, softmax_scale, zigzag, deterministic, sink)
+                               local or sink_err or alibi_err, group, world, rank, causal,
+                               window_size, softcap, softmax_scale, zigzag, deterministic,
+                               sink, alibi)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -929,6 +985,21 @@ def _ring_sink(fn: str, s_aux: Optional[Tensor], learnable_sink: Optional[Tensor
         return _check_sink(fn, s_aux, learnable_sink, q, q.shape[2]), None
     except (TypeError, ValueError) as e:
         return None, str(e).removeprefix(f"{fn}: ")
+
+
+def _ring_alibi(fn: str, alibi_slopes: Optional[Tensor], q: Tensor, batch: Optional[int],
+                per_sequence: bool,
+                local: Optional[str]) -> Tuple[Optional[_Alibi], Optional[str]]:
+    """The validated ALiBi slopes ((nheads,) or (batch, nheads); for varlen ``batch`` counts
+    the sequences and a row per sequence is ``per_sequence``), or the error that every rank then
+    raises (as :func:`_ring_sink`)."""
+    if local is not None or alibi_slopes is None or batch is None:
+        return None, None
+    try:
+        slopes = _check_alibi(fn, alibi_slopes, q, batch, q.shape[-2])
+    except (TypeError, ValueError) as e:
+        return None, str(e).removeprefix(f"{fn}: ")
+    return _Alibi(slopes.contiguous(), per_sequence and slopes.dim() == 2), None
 
 
 def _varlen_local_error(q: Tensor, k: Tensor, v: Tensor,
@@ -978,6 +1049,8 @@ def ring_flash_attn_varlen_func(
             sequence b is ``N * (cu_seqlens[b + 1] - cu_seqlens[b])`` long.
         max_seqlen: the longest shard, for the single-device path of a group of one (the ring
             reads the lengths from cu_seqlens).
+        alibi_slopes: (nheads,) or (batch, nheads) float32, optional: ALiBi over each
+            sequence's global positions, a row per sequence for the 2-D form.
         Other arguments: as in :func:`ring_flash_attn_func`.
     Return:
         out: (total_local, nheads, headdim).
@@ -987,15 +1060,14 @@ def ring_flash_attn_varlen_func(
     check that it is the same on every rank.
     """
     fn = "ring_flash_attn_varlen_func"
-    _unsupported(fn, (q, k, v), dropout_p, alibi_slopes, return_attn_probs, window_size,
-                 softcap)
+    _unsupported(fn, (q, k, v), dropout_p, return_attn_probs, window_size, softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
         out, lse, _ = flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-            softcap=softcap, deterministic=deterministic, return_attn_probs=True, s_aux=s_aux,
-            learnable_sink=learnable_sink)
+            softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+            return_attn_probs=True, s_aux=s_aux, learnable_sink=learnable_sink)
         return (out, lse) if return_softmax_lse else out
     local = _varlen_local_error(q, k, v, cu_seqlens)
     seqlens: List[int] = []
@@ -1007,9 +1079,10 @@ def ring_flash_attn_varlen_func(
     else:
         cu_check = None
     sink, sink_err = _ring_sink(fn, s_aux, learnable_sink, q, local)
-    out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local or sink_err, group, world,
-                               rank, causal, window_size, softcap, softmax_scale, zigzag,
-                               deterministic, sink)
+    alibi, alibi_err = _ring_alibi(fn, alibi_slopes, q, len(seqlens), True, local)
+    out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local or sink_err or alibi_err,
+                               group, world, rank, causal, window_size, softcap, softmax_scale,
+                               zigzag, deterministic, sink, alibi)
     out, lse = out[0], lse[0]
     return (out, lse) if return_softmax_lse else out
 

@@ -61,7 +61,7 @@ def keep_mask_ref(seqlen_q: int, seqlen_k: int, causal: bool, window_size, devic
 
 
 def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype, alibi=None,
-                     sink=None, drop=None):
+                     sink=None, drop=None, alibi_offset=0):
     """q (b, sq, h, d), k/v (b, sk, hk, dv) -> out (b, sq, h, dv), lse (b, h, sq); alibi: ALiBi
     slopes (h,) or (b, h), or None; sink: a learnable sink's logits (h,) (one more softmax
     column per row, without a value), or None; drop: a dropout factor (b, h, sq, sk) applied
@@ -94,7 +94,7 @@ def _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if alibi is not None:
-        dist = (torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        dist = (torch.arange(sq, device=q.device)[:, None] + (sk - sq + alibi_offset)
                 - torch.arange(sk, device=q.device)[None, :]).abs().to(acc_dtype)
         s = s - alibi.to(acc_dtype).expand(b, h)[:, :, None, None] * dist
 
@@ -135,12 +135,14 @@ def attention_ref(
     alibi_slopes: Optional[Tensor] = None,
     sink: Optional[Tensor] = None,
     drop: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Reference attention. Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d),
     lse (b, h, sq). Varlen (cu_seqlens_q and cu_seqlens_k given): q (total_q, h, d),
     k/v (total_k, hk, d) -> out (total_q, h, d), lse (h, total_q). Differentiable.
     alibi_slopes (h,) or (batch, h): the score of query i and key j gets
-    -slope * |i + sk - sq - j| (after the softcap). sink (h,): a learnable sink's logits, one
+    -slope * |i + sk - sq + alibi_offset - j| (after the softcap; the offset moves the bias, not
+    the mask). sink (h,): a learnable sink's logits, one
     more softmax column of each row of head h, without a value (lse includes it). drop
     (batched only): dropout's factor (b, h, sq, sk) on the probabilities. v's head dim may
     differ from q's."""
@@ -150,7 +152,7 @@ def attention_ref(
     window_size = (int(window_size[0]), int(window_size[1]))
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return _attention_dense(q, k, v, scale, causal, window_size, softcap, compute_dtype,
-                                alibi_slopes, sink, drop)
+                                alibi_slopes, sink, drop, alibi_offset)
     assert drop is None, "attention_ref: drop is for batched calls"
     assert cu_seqlens_q is not None and cu_seqlens_k is not None
     cq = [int(x) for x in cu_seqlens_q.tolist()]
@@ -165,7 +167,7 @@ def attention_ref(
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[bi:bi + 1]
         o, lse = _attention_dense(qs, ks, vs, scale, causal, window_size, softcap, compute_dtype,
-                                  slopes, sink)
+                                  slopes, sink, None, alibi_offset)
         outs.append(o.squeeze(0))
         lses.append(lse.squeeze(0))
     if not outs:  # batch 0

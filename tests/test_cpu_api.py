@@ -16,13 +16,15 @@ from flash_attn import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
+    ops,
 )
 from flash_attn.reference import attention_forward_ref
 
 
-def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=0.0, alibi=None):
+def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=0.0, alibi=None,
+                       alibi_offset=0):
     """Batched explicit-mask attention in float64 (independent of flash_attn.reference);
-    alibi: ALiBi slopes (h,) or (b, h)."""
+    alibi: ALiBi slopes (h,) or (b, h), its distance moved by alibi_offset (not the mask's)."""
     q, k, v = q.double(), k.double(), v.double()
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -36,7 +38,7 @@ def explicit_attention(q, k, v, scale, causal=False, left=-1, right=-1, softcap=
     i = torch.arange(sq).view(-1, 1) + (sk - sq)
     j = torch.arange(sk).view(1, -1)
     if alibi is not None:
-        s = s - alibi.double().expand(b, h)[:, :, None, None] * (i - j).abs()
+        s = s - alibi.double().expand(b, h)[:, :, None, None] * (i + alibi_offset - j).abs()
     keep = torch.ones(sq, sk, dtype=torch.bool)
     if left >= 0:
         keep &= j >= i - left
@@ -240,6 +242,36 @@ def test_alibi_matches_explicit(sq, sk, h, hk, causal, window, softcap, per_batc
     g = torch.autograd.grad(out, (q, k, v), dout)
     ge = torch.autograd.grad(out_e, (q, k, v), dout)
     for x, y in zip(g, ge):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("offset", [-7, 3, 40])
+def test_alibi_offset_moves_the_bias_only(offset):
+    """flash_attn.ops' alibi_offset (ring attention's sub-blocks): the bias
+    -slope * |i + sk - sq + offset - j|, the mask unmoved, in the forward and the backward."""
+    torch.manual_seed(45)
+    q, k, v = rand(2, 5, 4, 8), rand(2, 9, 2, 8), rand(2, 9, 2, 8)
+    slopes = torch.rand(4)
+    out, lse = ops.flash_attn_fwd(q, k, v, None, None, None, 5, 9, 1 / math.sqrt(8), True, -1,
+                                  0, 0.0, alibi_slopes=slopes, alibi_offset=offset)
+    out_e, lse_e, _ = explicit_attention(q, k, v, 1 / math.sqrt(8), True, alibi=slopes,
+                                         alibi_offset=offset)
+    torch.testing.assert_close(out, out_e, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, lse_e.float(), atol=1e-5, rtol=1e-5)
+    dout = torch.randn_like(out)
+    grads = ops.flash_attn_bwd(dout, q, k, v, out, lse, None, None, 5, 9, 1 / math.sqrt(8), True,
+                               -1, 0, 0.0, False, alibi_slopes=slopes, alibi_offset=offset)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_e, _, _ = explicit_attention(*leaves, 1 / math.sqrt(8), True, alibi=slopes,
+                                     alibi_offset=offset)
+    grads_e = torch.autograd.grad(out_e, leaves, dout)
+    for x, y in zip(grads, grads_e):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
+    # Through the op's autograd formula too: the backward gets the forward's offset.
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_a, _ = ops.flash_attn_fwd(*leaves, None, None, None, 5, 9, 1 / math.sqrt(8), True, -1,
+                                  0, 0.0, alibi_slopes=slopes, alibi_offset=offset)
+    for x, y in zip(torch.autograd.grad(out_a, leaves, dout), grads_e):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-10)
 
 
@@ -559,12 +591,13 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-                sink=None, dropout_p=0.0, rng_state=None, sm_margin=0):
+                sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, alibi_offset=0):
             calls["fwd"] = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,
                                 leftpad_k=leftpad_k, alibi_slopes=alibi_slopes, sink=sink,
-                                dropout_p=dropout_p, rng_state=rng_state, sm_margin=sm_margin)
+                                dropout_p=dropout_p, rng_state=rng_state, sm_margin=sm_margin,
+                                alibi_offset=alibi_offset)
             if kv_batch_idx is not None:
                 k, v = k[kv_batch_idx.long()], v[kv_batch_idx.long()]
             if block_table is not None:
@@ -574,18 +607,21 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
                                      enumerate(leftpad_k.tolist())]) for x in (k, v))
             return tuple(reference.attention_forward_ref(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink))
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink,
+                alibi_offset=alibi_offset))
 
         @staticmethod
         def bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                softcap, deterministic, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                softcap, deterministic, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                alibi_offset=0):
             calls["bwd"] = dict(deterministic=deterministic, alibi_slopes=alibi_slopes,
-                                dropout_p=dropout_p, rng_state=rng_state)
+                                dropout_p=dropout_p, rng_state=rng_state,
+                                alibi_offset=alibi_offset)
             return tuple(reference.attention_backward_ref(
                 dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                alibi_slopes=alibi_slopes))
+                alibi_slopes=alibi_slopes, alibi_offset=alibi_offset))
 
     monkeypatch.setattr(ops, "_EXT", FakeExt)
     monkeypatch.setattr(ops, "require_kernel", lambda *args: None)  # no GPU to ask
@@ -599,7 +635,7 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     assert calls["fwd"] == dict(max_seqlen_q=3, max_seqlen_k=5, causal=True,
                                 window=(2, 0), kv_batch_idx=None, block_table=None,
                                 leftpad_k=None, alibi_slopes=None, sink=None, dropout_p=0.0,
-                                rng_state=None, sm_margin=0)
+                                rng_state=None, sm_margin=0, alibi_offset=0)
     dout = torch.randn_like(out)
     g = ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False)
     ref_g = reference.attention_backward_ref(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4,
@@ -607,13 +643,19 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert calls["bwd"] == dict(deterministic=False, alibi_slopes=None, dropout_p=0.0,
-                                rng_state=None)
+                                rng_state=None, alibi_offset=0)
     # alibi_slopes last of fwd and of bwd
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     out, lse = ops._fwd_cuda(*args, False, None, None, None, slopes)
     assert calls["fwd"]["alibi_slopes"] is slopes
     ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False, slopes)
     assert calls["bwd"]["alibi_slopes"] is slopes
+    # alibi_offset (ring attention's sub-blocks): fwd's keyword, bwd's last
+    ops._fwd_cuda(*args, False, None, None, None, slopes, alibi_offset=-3)
+    assert calls["fwd"]["alibi_offset"] == -3
+    ops._bwd_cuda(dout, q, k, v, out, lse, cu_q, cu_k, 3, 5, 0.4, True, 2, 0, 1.5, False, slopes,
+                  None, 0.0, None, 5)
+    assert calls["bwd"]["alibi_offset"] == 5
     # kv_batch_idx is handed through last: query batch b reads K/V entry kv_batch_idx[b]
     qb, kb, vb = torch.randn(2, 3, 4, 8), torch.randn(3, 5, 2, 8), torch.randn(3, 5, 2, 8)
     idx = torch.tensor([2, 0], dtype=torch.int32)

@@ -698,6 +698,30 @@ def test_alibi_long(case: Case):
         [q, k, v], plain_qkv, dict(case.ref_kwargs(), alibi_slopes=slopes))
 
 
+@pytest.mark.parametrize("offset", [-300, 77, 1000])
+@pytest.mark.parametrize("case", params([Case("bf16", 64, 700, 1300, True),
+                                          Case("bf16", 128, 700, 1300)]))
+def test_alibi_offset(case: Case, offset: int):
+    """flash_attn.ops' alibi_offset (ring attention's sub-blocks; every kernel family): the bias
+    -slope * |i + sk - sq + offset - j| with the mask unmoved, out, dq, dk, dv under the accuracy
+    rule."""
+    from flash_attn import ops
+
+    torch.manual_seed(9)
+    q, k, v = make_qkv(case, b=2, h=4, hk=2)
+    slopes = torch.tensor([0.5, 0.1, 0.02, 0.004], device="cuda")
+    scale = case.d ** -0.5
+    right = 0 if case.causal else -1
+
+    def ours(q, k, v):
+        return ops.flash_attn_fwd(q, k, v, None, None, None, case.sq, case.sk, scale,
+                                  case.causal, -1, right, 0.0, alibi_slopes=slopes,
+                                  alibi_offset=offset)[0]
+
+    check_fwd_bwd(ours, [q, k, v], plain_qkv,
+                  dict(case.ref_kwargs(), alibi_slopes=slopes, alibi_offset=offset))
+
+
 @pytest.mark.parametrize("case", params([Case("bf16", 128, 1000, 1000, True),
                                           Case("bf16", 64, 700, 900)]))
 def test_deterministic_with_alibi(case: Case):

@@ -66,11 +66,22 @@ SINK_CASES = {
     "sink_window_contiguous": (False, False, (0, 0), 0.0, 2, 1),
     "sink_varlen_causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2),
 }
-ERROR_CASES = ["unequal_shards", "bad_sink_on_one_rank", "zigzag_odd", "shard_indivisible", "meta_with_gloo",
+# ALiBi over global positions: slopes (nheads,), (batch, nheads), or (nseqs, nheads) for varlen.
+# name -> (zigzag, causal, window_size, softcap, nheads, nheads_k, per_row slopes)
+ALIBI_CASES = {
+    "alibi_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2, False),
+    "alibi_noncausal_zigzag_per_batch": (True, False, (-1, -1), 0.0, 2, 2, True),
+    "alibi_noncausal_contiguous_softcap": (False, False, (-1, -1), 2.0, 2, 1, False),
+    "alibi_window_zigzag": (True, False, (5, 2), 0.0, 2, 2, True),
+    "alibi_varlen_causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2, True),
+    "alibi_varlen_noncausal_contiguous": (False, False, (-1, -1), 0.0, 4, 2, False),
+}
+ERROR_CASES = ["unequal_shards", "bad_sink_on_one_rank", "bad_alibi_on_one_rank", "zigzag_odd",
+               "shard_indivisible", "meta_with_gloo",
                "not_implemented", "group_of_one", "varlen_unequal_cu_seqlens",
                "varlen_bad_cu_seqlens", "varlen_group_of_one", "host_group_of_an_nccl_group"]
 ALL_CASES = (list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + list(SINK_CASES)
-             + ERROR_CASES)
+             + list(ALIBI_CASES) + ERROR_CASES)
 
 
 def _batched_sharding(zigzag: bool, world: int, rank: int, seqlen: int):
@@ -215,6 +226,53 @@ def _check_sink_case(name: str, world: int, rank: int) -> None:
                   {"dsink": 1e-6})
 
 
+def _check_alibi_case(name: str, world: int, rank: int) -> None:
+    """Output and gradients against the reference on the full sequence with the same slopes:
+    every block's bias must be that of its global positions, and blocks are joined only where
+    one offset serves the joined block."""
+    zigzag, causal, window, softcap, h, hk, per_row = ALIBI_CASES[name]
+    g = torch.Generator().manual_seed(70 + list(ALIBI_CASES).index(name))
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    if "varlen" in name:
+        lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
+        q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
+                         for n in (h, hk, hk, h))
+        rows = len(lens)
+
+        def ref_fn(q, k, v, slopes):
+            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
+                                                     alibi_slopes=slopes, **kwargs)
+
+        def ring_fn(q, k, v, slopes):
+            return ring_flash_attn_varlen_func(q, k, v, cu_local, max(lens) // world,
+                                               zigzag=zigzag, alibi_slopes=slopes, **kwargs)
+    else:
+        seqlen = 2 * world * CHUNK
+        rows = 2
+        q, k, v, dout = (torch.randn(rows, seqlen, n, 8, generator=g, dtype=torch.float64)
+                         for n in (h, hk, hk, h))
+        shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
+
+        def ref_fn(q, k, v, slopes):
+            return flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes, **kwargs)
+
+        def ring_fn(q, k, v, slopes):
+            return ring_flash_attn_func(q, k, v, zigzag=zigzag, alibi_slopes=slopes, **kwargs)
+
+    # Steep slopes, so that a bias taken at the wrong positions shows.
+    slopes = torch.rand((rows, h) if per_row else (h,), generator=g, dtype=torch.float64)
+    slopes = (0.2 + slopes).float()
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = ref_fn(qr, kr, vr, slopes)
+    ref.backward(dout)
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out = ring_fn(qs, ks, vs, slopes)
+    out.backward(shard(dout))
+    _assert_close((("out", unshard(out.detach()), ref.detach()),
+                   ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                   ("dv", unshard(vs.grad), vr.grad)))
+
+
 def _raises(exc, fn, *words):
     try:
         fn()
@@ -236,6 +294,11 @@ def _check_error(name: str, world: int, rank: int) -> None:
         sink = torch.zeros(3 if rank == 0 else 2, dtype=torch.float64)
         words = ("s_aux",) if rank == 0 else ("rank(s) [0]",)
         _raises(ValueError, lambda: ring_flash_attn_func(x, x, x, s_aux=sink), *words)
+    elif name == "bad_alibi_on_one_rank":
+        # Rank 0's slopes have the wrong length: every rank raises, none waits in the ring.
+        slopes = torch.ones(3 if rank == 0 else 2)
+        words = ("alibi_slopes",) if rank == 0 else ("rank(s) [0]",)
+        _raises(ValueError, lambda: ring_flash_attn_func(x, x, x, alibi_slopes=slopes), *words)
     elif name == "zigzag_odd":
         y = x[:, :3]
         _raises(ValueError, lambda: ring_flash_attn_func(y, y, y, zigzag=True), "even")
@@ -247,7 +310,6 @@ def _check_error(name: str, world: int, rank: int) -> None:
         _raises(ValueError, lambda: ring_flash_attn_func(y, y, y), "gloo")
     elif name == "not_implemented":
         for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"),
-                             ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"),
                              ({"return_attn_probs": True}, "return_attn_probs")):
             _raises(NotImplementedError, lambda: ring_flash_attn_func(x, x, x, **kwargs), word)
         x8 = x.to(torch.float8_e4m3fn)  # a named error, not shards merged in e4m3
@@ -300,6 +362,8 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_varlen_case(name, world, rank)
     elif name in SINK_CASES:
         _check_sink_case(name, world, rank)
+    elif name in ALIBI_CASES:
+        _check_alibi_case(name, world, rank)
     elif name not in ERROR_CASES:
         _check_case(name, world, rank)
     else:
@@ -415,3 +479,36 @@ def test_coalesced_blocks_cover_the_band_once():
                         assert torch.equal(got, want), (world, zigzag, left, right, rank, owner)
                         if zigzag and (left, right) == (math.inf, 0):
                             assert len(blocks) <= 2, (world, rank, owner, len(blocks))
+
+
+def test_positional_blocks_carry_global_distances():
+    # With ALiBi (positional=True) every block's pos gives each kept (query, key) pair its
+    # global distance, after _coalesce too, and the blocks still cover the band once.
+    from flash_attn.reference import keep_mask
+    from flash_attn.ring_attention import _blocks, _segments
+
+    for world in (2, 3):
+        for zigzag in (True, False):
+            n = 2 * world * 3 if zigzag else world * 5
+            s_local = n // world
+            for left, right in ((math.inf, 0), (math.inf, math.inf), (5, 2)):
+                for rank in range(world):
+                    qsegs = _segments(rank, world, [s_local], zigzag)
+                    qpos = torch.cat([torch.arange(q0, q0 + sq) for q0, _, sq in qsegs[0]])
+                    for owner in range(world):
+                        ksegs = _segments(owner, world, [s_local], zigzag)
+                        kpos = torch.cat([torch.arange(k0, k0 + sk) for k0, _, sk in ksegs[0]])
+                        covered = torch.zeros(s_local, s_local, dtype=torch.int32)
+                        for blk in _blocks(qsegs, ksegs, left, right, positional=True):
+                            nr = blk.rows.stop - blk.rows.start
+                            nc = blk.cols.stop - blk.cols.start
+                            keep = keep_mask(nr, nc, blk.causal, blk.window_left,
+                                             blk.window_right).expand(nr, nc)
+                            covered[blk.rows, blk.cols] += keep.int()
+                            local = (blk.pos + torch.arange(nr)[:, None]
+                                     - torch.arange(nc)[None, :])
+                            glob = qpos[blk.rows][:, None] - kpos[blk.cols][None, :]
+                            assert torch.equal(local[keep], glob[keep]), (world, zigzag, rank)
+                        want = ((kpos[None, :] - qpos[:, None] >= -left)
+                                & (kpos[None, :] - qpos[:, None] <= right)).int()
+                        assert torch.equal(covered, want), (world, zigzag, left, right, rank)

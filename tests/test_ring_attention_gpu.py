@@ -44,8 +44,17 @@ SINK_CASES = {
     "sink_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
     "sink_window_contiguous_d64": (False, False, (150, 30), 0.0, 2, 2, 64, torch.bfloat16),
 }
+# ALiBi over global positions (the kernels' alibi_offset per sub-block); slopes per head, or
+# per (batch, head) where the last field says so.
+ALIBI_CASES = {
+    "alibi_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16,
+                                     False),
+    "alibi_noncausal_contiguous_d64": (False, False, (-1, -1), 0.0, 2, 2, 64, torch.bfloat16,
+                                       True),
+}
 ERROR_CASES = ["cuda_with_gloo", "unequal_shards"]
-ALL_CASES = list(CASES) + list(VARLEN_CASES) + list(SINK_CASES) + ERROR_CASES
+ALL_CASES = (list(CASES) + list(VARLEN_CASES) + list(SINK_CASES) + list(ALIBI_CASES)
+             + ERROR_CASES)
 
 
 def _gather_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -77,6 +86,34 @@ def _check_case(name: str, world: int, rank: int) -> None:
     grads = [unshard(x.grad) for x in (qs, ks, vs)]
     compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv,
                    {"causal": causal, "window_size": window, "softcap": softcap}, dout)
+
+
+def _check_alibi_case(name: str, world: int, rank: int) -> None:
+    """out, dq, dk, dv under the accuracy rule against float64 attention with ALiBi on the full
+    sequence (slopes 0.02-0.1: over 2 * world * CHUNK positions the bias spans tens)."""
+    from attn_ref import compare_to_ref, plain_qkv
+
+    zigzag, causal, window, softcap, h, hk, d, dtype, per_batch = ALIBI_CASES[name]
+    seqlen = 2 * world * CHUNK
+    g = torch.Generator(device="cuda").manual_seed(300 + list(ALIBI_CASES).index(name))
+    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
+                     for n in (h, hk, hk, h))
+    slopes = 0.02 + 0.08 * torch.rand((2, h) if per_batch else (h,), generator=g,
+                                      device="cuda")
+    s = seqlen // world
+
+    def shard(x):
+        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
+
+    def unshard(x):
+        return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
+
+    kw = {"causal": causal, "window_size": window, "softcap": softcap, "alibi_slopes": slopes}
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    out = ring_flash_attn_func(qs, ks, vs, zigzag=zigzag, **kw)
+    out.backward(shard(dout))
+    grads = [unshard(x.grad) for x in (qs, ks, vs)]
+    compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv, kw, dout)
 
 
 def _check_sink_case(name: str, world: int, rank: int) -> None:
@@ -187,6 +224,8 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_varlen_case(name, world, rank)
     elif name in SINK_CASES:
         _check_sink_case(name, world, rank)
+    elif name in ALIBI_CASES:
+        _check_alibi_case(name, world, rank)
     else:
         _check_error(name, world, rank)
 

@@ -62,13 +62,16 @@ struct AttnShape {
     float softcap = 0.f;
     float softcap_prescale = 0.f;
 
-    // ALiBi, optional (SM80 kernels): the score of query i and key j gets the bias
-    // -slope * |i + seqlen_k - seqlen_q - j| (bottom-right aligned, per sequence), slope =
-    // alibi_slopes[b * alibi_batch_stride + h] (float32; stride 0: one slope per head).
-    // alibi_unit converts it to the units of t above (1 / softmax_scale, or 1 / softcap).
+    // ALiBi, optional: the score of query i and key j gets the bias
+    // -slope * |i + seqlen_k - seqlen_q + alibi_offset - j| (bottom-right aligned, per
+    // sequence), slope = alibi_slopes[b * alibi_batch_stride + h] (float32; stride 0: one slope
+    // per head). alibi_unit converts it to the units of t above (1 / softmax_scale, or
+    // 1 / softcap). alibi_offset (0 for a whole sequence) places a sub-block of a longer
+    // sequence, as ring attention calls the kernels: only the bias moves, not the mask.
     const float* alibi_slopes = nullptr;
     index_t alibi_batch_stride = 0;
     float alibi_unit = 0.f;
+    int alibi_offset = 0;
 
     // Dropout, optional (SM80 kernels): rng_state = (seed, offset), int64 in device memory, so
     // that a CUDA graph replays fresh values; a score is kept when its 16-bit number is below

@@ -117,7 +117,7 @@ struct SeqInfo {
     // load it per tile: kept across the key loop it would hold a register in every tile.
     __device__ AlibiBias alibi(const AttnShape& p, int bidb, int head) const {
         return AlibiBias{p.alibi_slopes[bidb * p.alibi_batch_stride + head] * p.alibi_unit,
-                         seqlen_k - seqlen_q};
+                         seqlen_k - seqlen_q + p.alibi_offset};
     }
 
   private:

@@ -41,7 +41,10 @@ contiguous, on q's device, or None (1). With q, k, v in ``float8_e4m3fn`` the CU
 ``fwd_plain``), the CPU kernel dequantizes (k's descale joined to q's, v's applied to the
 output: constants of a sequence and key/value head) and runs the float32 reference, and both
 return ``out`` in bfloat16; the autograd formula raises NotImplementedError (no FP8
-backward). ``_kvcache_update`` follows
+backward). Both ops end with ``alibi_offset`` (int, 0 by default), which
+``flash_attn_cuda.fwd`` / ``bwd`` take last too: ALiBi's distance becomes
+``i + seqlen_k - seqlen_q + alibi_offset - j`` (the masks do not move), so that ring attention
+can call the kernels on a sub-block of a longer sequence. ``_kvcache_update`` follows
 ``flash_attn_cuda.kvcache_update`` and mutates the caches and ``q_rot``.
 
 Callers (``flash_attn_interface``) validate the arguments first and guarantee: q/k/v with a
@@ -260,6 +263,7 @@ def _fwd_op(
     q_descale: Optional[Tensor] = None,
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_fwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -271,7 +275,7 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
              softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
              kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None, sink=None,
              dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None, k_descale=None,
-             v_descale=None):
+             v_descale=None, alibi_offset=0):
     if q.dtype in _fp8.FP8_DTYPES:
         # The reference of an FP8 call: the float32 attention of the dequantized inputs, rounded
         # to bfloat16. k's descale joins q's and v's scales the output (both are constants of a
@@ -304,7 +308,7 @@ def _fwd_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
     return reference.attention_forward_ref(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink,
-        dropout_p, rng_state,
+        dropout_p, rng_state, alibi_offset=alibi_offset,
     )
 
 
@@ -342,7 +346,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
               sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None,
-              k_descale=None, v_descale=None):
+              k_descale=None, v_descale=None, alibi_offset=0):
     if (q.numel() == 0 or k.numel() == 0
             or (block_table is not None and block_table.numel() == 0)):
         return _empty_forward(q, v, cu_seqlens_q, sink)
@@ -370,6 +374,7 @@ def _fwd_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, kv_batch_idx,
             block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state, sm_margin,
+            alibi_offset=alibi_offset,
         )
     return out, lse
 
@@ -379,7 +384,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_
               softmax_scale, causal, window_left, window_right, softcap, deterministic=False,
               kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
               sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None,
-              k_descale=None, v_descale=None):
+              k_descale=None, v_descale=None, alibi_offset=0):
     # contiguous, like the real implementations; bfloat16 for FP8 q
     out = q.new_empty(_out_shape(q, v), dtype=_out_dtype(q))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
@@ -418,6 +423,7 @@ def _bwd_op(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     raise NotImplementedError(
         f"flash_attn::_bwd has no implementation for device {q.device} (CUDA and CPU only)"
@@ -427,19 +433,22 @@ def _bwd_op(
 @_bwd_op.register_kernel("cpu")
 def _bwd_cpu(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-             deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
+             deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None,
+             alibi_offset=0):
     # The reference is deterministic whatever `deterministic` says.
     return reference.attention_backward_ref(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
         alibi_slopes=alibi_slopes, sink=sink, dropout_p=dropout_p, rng_state=rng_state,
+        alibi_offset=alibi_offset,
     )
 
 
 @_bwd_op.register_kernel("cuda")
 def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
+              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None,
+              alibi_offset=0):
     # The sink needs nothing here: softmax_lse includes it, and P = exp(S - lse) is then the
     # probability of each key with the sink in the denominator.
     if q.numel() == 0 or k.numel() == 0:
@@ -454,7 +463,7 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
     dq, dk, dv = ext.bwd(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-        deterministic, alibi_slopes, dropout_p, rng_state,
+        deterministic, alibi_slopes, dropout_p, rng_state, alibi_offset,
     )
     return dq, dk, dv
 
@@ -462,7 +471,8 @@ def _bwd_cuda(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_s
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None):
+              deterministic, alibi_slopes=None, sink=None, dropout_p=0.0, rng_state=None,
+              alibi_offset=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -487,6 +497,7 @@ def flash_attn_bwd(
     sink: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     rng_state: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`flash_attn_fwd`: ``(dq, dk, dv)``, not differentiable (the sink's
     gradient is :func:`sink_grad`).
@@ -498,7 +509,7 @@ def flash_attn_bwd(
     """
     args = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-            deterministic, alibi_slopes, sink, dropout_p, rng_state)
+            deterministic, alibi_slopes, sink, dropout_p, rng_state, alibi_offset)
     if (torch.compiler.is_compiling() or torch.is_grad_enabled()
             or not _direct_call_ok(q, dout, k, v, out, softmax_lse, cu_seqlens_q,
                                    cu_seqlens_k, alibi_slopes, sink, rng_state)):
@@ -515,7 +526,7 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
      softmax_scale, causal, window_left, window_right, softcap, deterministic,
      kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
-     _sm_margin, _q_descale, _k_descale, _v_descale) = inputs
+     _sm_margin, _q_descale, _k_descale, _v_descale, alibi_offset) = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     # An FP8 forward has no backward (_backward raises): nothing to save.
@@ -536,6 +547,7 @@ def _setup_context(ctx, inputs, output):
     ctx.window_right = window_right
     ctx.softcap = softcap
     ctx.deterministic = deterministic
+    ctx.alibi_offset = alibi_offset
 
 
 def _backward(ctx, dout, dlse):
@@ -572,14 +584,14 @@ def _backward(ctx, dout, dlse):
             dout, q, keys, values, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
             ctx.max_seqlen_k, ctx.softmax_scale, ctx.causal, ctx.window_left,
             ctx.window_right, ctx.softcap, ctx.deterministic, alibi_slopes, sink,
-            ctx.dropout_p, rng_state,
+            ctx.dropout_p, rng_state, ctx.alibi_offset,
         )
         if idx is not None:  # entries read by several query batches sum their gradients
             dk = torch.zeros_like(k).index_add_(0, idx, dk)
             dv = torch.zeros_like(v).index_add_(0, idx, dv)
     if sink is not None and needs[18]:
         dsink = sink_grad(dout, out, lse, sink, cu_seqlens_q is not None)
-    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None, None, None, None, None)
+    return (dq, dk, dv) + (None,) * 15 + (dsink, None, None, None, None, None, None, None)
 
 
 def sink_grad(dout: Tensor, out: Tensor, softmax_lse: Tensor, sink: Tensor,
@@ -650,6 +662,7 @@ def flash_attn_fwd(
     q_descale: Optional[Tensor] = None,
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
+    alibi_offset: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Attention forward: ``(out, softmax_lse)``, differentiable in q, k, v and the sink
     (softmax_lse is not differentiable). FP8 q, k, v (float8_e4m3fn, with the descales) give
@@ -667,7 +680,7 @@ def flash_attn_fwd(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, window_left, window_right, softcap, deterministic,
             kv_batch_idx, block_table, leftpad_k, alibi_slopes, sink, dropout_p, rng_state,
-            sm_margin, q_descale, k_descale, v_descale)
+            sm_margin, q_descale, k_descale, v_descale, alibi_offset)
     if torch.compiler.is_compiling() or not _direct_call_ok(q, k, v, cu_seqlens_q,
                                                              cu_seqlens_k, seqused_k,
                                                              kv_batch_idx, block_table,
