@@ -2,7 +2,7 @@
 per call, hidden 2048 (the grid of RESULTS.md), each call replayed from a CUDA graph.
 
 Columns (TFLOP/s, median over graph replays): the forward on the default path (the SM90 kernels
-on H100/H200) without and with ALiBi and their ratio (issue 30's bar: >= 0.95), the forward
+on H100/H200) without and with ALiBi and their ratio (the goal: >= 0.95), the forward
 with ALiBi on the SM80 kernels (``FLASH_ATTN_FORCE_SM80=1``, what H100 ran before the SM90
 forward took ALiBi), and the backward without and with ALiBi and their ratio. Slopes are the
 usual 2^(-8 i / nheads), times ``--slope-scale``: with tiny slopes the bias barely moves a

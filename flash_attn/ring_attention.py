@@ -311,7 +311,7 @@ class _Alibi:
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
                softcap: float, sm_margin: int,
-               alibi: Optional[_Alibi] = None) -> Tuple[Tensor, Tensor]:
+               alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q's rows against one K/V block, lse (batch, nheads, rows) with +inf on
     rows that keep no key. CUDA: the kernel (out in q's dtype, lse float32), leaving
     ``sm_margin`` SMs free; CPU: the compute dtype (float64 for float64 inputs) for both.
@@ -331,7 +331,7 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
 
 def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                scale: float, blk: _Block, softcap: float, deterministic: bool,
-               alibi: Optional[_Alibi] = None) -> Tuple[Tensor, Tensor, Tensor]:
+               alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one K/V block given the merged ``out`` and ``lse`` of q's rows: the
     probabilities are ``exp(s - lse)`` with the global lse and the softmax term uses
     ``rowsum(dout * out)`` with the global out, as in the kernels' backward. dk/dv are summed
@@ -965,8 +965,7 @@ def ring_flash_attn_func(
         local = (f"q, k, v must be 4-D (batch, seqlen_local, nheads, headdim), got shapes "
                  f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     sink, sink_err = _ring_sink(fn, s_aux, learnable_sink, q, local)
-    alibi, alibi_err = _ring_alibi(fn, alibi_slopes, q, None if local else q.shape[0], False,
-                                   local)
+    alibi, alibi_err = _ring_alibi(fn, alibi_slopes, q, q.shape[0], False, local)
     out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None,
                                local or sink_err or alibi_err, group, world, rank, causal,
                                window_size, softcap, softmax_scale, zigzag, deterministic,
@@ -987,13 +986,13 @@ def _ring_sink(fn: str, s_aux: Optional[Tensor], learnable_sink: Optional[Tensor
         return None, str(e).removeprefix(f"{fn}: ")
 
 
-def _ring_alibi(fn: str, alibi_slopes: Optional[Tensor], q: Tensor, batch: Optional[int],
+def _ring_alibi(fn: str, alibi_slopes: Optional[Tensor], q: Tensor, batch: int,
                 per_sequence: bool,
                 local: Optional[str]) -> Tuple[Optional[_Alibi], Optional[str]]:
     """The validated ALiBi slopes ((nheads,) or (batch, nheads); for varlen ``batch`` counts
     the sequences and a row per sequence is ``per_sequence``), or the error that every rank then
     raises (as :func:`_ring_sink`)."""
-    if local is not None or alibi_slopes is None or batch is None:
+    if local is not None or alibi_slopes is None:
         return None, None
     try:
         slopes = _check_alibi(fn, alibi_slopes, q, batch, q.shape[-2])

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call (about 6 minutes with a build; give it 600 s), from the repo root with
-# .cutlass carried: the measurements of the issues' bars that scripts/dev_peer_grid.sh leaves
-# out, and the GPU tests of what has not run on a GPU yet.
+# .cutlass carried: the measurements that scripts/dev_peer_grid.sh leaves out, and the
+# single-GPU tests of what has not run on a GPU yet (the ring's: scripts/dev_ring.sh).
 #   bash scripts/dev_bars_extra.sh
 # Right after dev_peer_grid.sh on a warm machine its in-place build (d = 64/128/256) is reused;
 # otherwise d = 64/128/256 bf16 + fp16 are built here. Then:
 #   1. tests: ALiBi (alibi_offset, the long-sequence cases) and the paged cache;
-#   2. benchmarks/benchmark_alibi.py: ALiBi against the same kernels without it (issue 30:
+#   2. benchmarks/benchmark_alibi.py: ALiBi against the same kernels without it (goal:
 #      >= 0.95), forward and backward, CUDA graphs;
-#   3. benchmarks/benchmark_decode.py, pages of 16 / 32 / 256 at d = 64, 128 and 256 (issue
-#      29: pages of 16 >= 0.9 of 256).
+#   3. benchmarks/benchmark_decode.py, pages of 16 / 32 / 256 at d = 64, 128 and 256 (goal:
+#      pages of 16 at >= 0.9 of pages of 256).
 # OUT: where logs go (default build/bars_extra_logs).
 source scripts/call_prelude.sh build/bars_extra_logs
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the scripts

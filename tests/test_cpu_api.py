@@ -591,7 +591,8 @@ def test_cuda_impls_call_extension_with_internals_signature(monkeypatch):
         def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                 kv_batch_idx=None, block_table=None, leftpad_k=None, alibi_slopes=None,
-                sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, alibi_offset=0):
+                sink=None, dropout_p=0.0, rng_state=None, sm_margin=0, q_descale=None,
+                k_descale=None, v_descale=None, alibi_offset=0):
             calls["fwd"] = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 causal=causal, window=(window_left, window_right),
                                 kv_batch_idx=kv_batch_idx, block_table=block_table,

@@ -509,6 +509,9 @@ def test_positional_blocks_carry_global_distances():
                                      - torch.arange(nc)[None, :])
                             glob = qpos[blk.rows][:, None] - kpos[blk.cols][None, :]
                             assert torch.equal(local[keep], glob[keep]), (world, zigzag, rank)
+                            # The kernels' distance i + (ncols - nrows) + offset - j.
+                            kernel = local - blk.pos + (nc - nr) + blk.alibi_offset()
+                            assert torch.equal(kernel[keep], glob[keep]), (world, zigzag, rank)
                         want = ((kpos[None, :] - qpos[:, None] >= -left)
                                 & (kpos[None, :] - qpos[:, None] <= right)).int()
                         assert torch.equal(covered, want), (world, zigzag, left, right, rank)
