@@ -179,44 +179,56 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
                    ("dv", unshard(vs.grad), vr.grad)))
 
 
-def _check_sink_case(name: str, world: int, rank: int) -> None:
-    """Output, gradients and the sink's gradient against the reference on the full sequence;
-    the sink's gradient (an all_reduce) must be the whole sequence's on every rank."""
-    zigzag, causal, window, softcap, h, hk = SINK_CASES[name]
-    g = torch.Generator().manual_seed(50 + list(SINK_CASES).index(name))
-    sink = torch.randn(h, generator=g, dtype=torch.float64)
-    sink[-1] = float("-inf")
-    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+def _layout(name: str, world: int, rank: int, zigzag: bool, h: int, hk: int,
+            g: torch.Generator):
+    """float64 q, k, v, dout (head dim 8) of the batched layout (batch 2), or of packed sequences
+    where ``name`` says varlen; the number of sequences; shard / unshard; and the reference and
+    ring calls on them, which take further keyword arguments."""
     if "varlen" in name:
         lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
         q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
                          for n in (h, hk, hk, h))
 
-        def ref_fn(q, k, v, sink):
-            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                                     s_aux=sink, **kwargs)
+        def ref_fn(q, k, v, **kw):
+            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), **kw)
 
-        def ring_fn(q, k, v, sink):
+        def ring_fn(q, k, v, **kw):
             return ring_flash_attn_varlen_func(q, k, v, cu_local, max(lens) // world,
-                                               zigzag=zigzag, learnable_sink=sink, **kwargs)
-    else:
-        seqlen = 2 * world * CHUNK
-        q, k, v, dout = (torch.randn(2, seqlen, n, 8, generator=g, dtype=torch.float64)
-                         for n in (h, hk, hk, h))
-        shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
+                                               zigzag=zigzag, **kw)
 
-        def ref_fn(q, k, v, sink):
-            return flash_attn.flash_attn_func(q, k, v, s_aux=sink, **kwargs)
+        return q, k, v, dout, len(lens), shard, unshard, ref_fn, ring_fn
+    seqlen = 2 * world * CHUNK
+    q, k, v, dout = (torch.randn(2, seqlen, n, 8, generator=g, dtype=torch.float64)
+                     for n in (h, hk, hk, h))
+    shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
 
-        def ring_fn(q, k, v, sink):
-            return ring_flash_attn_func(q, k, v, zigzag=zigzag, s_aux=sink, **kwargs)
+    def ref_fn(q, k, v, **kw):
+        return flash_attn.flash_attn_func(q, k, v, **kw)
 
+    def ring_fn(q, k, v, **kw):
+        return ring_flash_attn_func(q, k, v, zigzag=zigzag, **kw)
+
+    return q, k, v, dout, 2, shard, unshard, ref_fn, ring_fn
+
+
+def _check_sink_case(name: str, world: int, rank: int) -> None:
+    """Output, gradients and the sink's gradient against the reference on the full sequence;
+    the sink's gradient (an all_reduce) must be the whole sequence's on every rank. The ring
+    takes the sink as learnable_sink (varlen) or s_aux (batched)."""
+    zigzag, causal, window, softcap, h, hk = SINK_CASES[name]
+    g = torch.Generator().manual_seed(50 + list(SINK_CASES).index(name))
+    sink = torch.randn(h, generator=g, dtype=torch.float64)
+    sink[-1] = float("-inf")
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap)
+    q, k, v, dout, _, shard, unshard, ref_fn, ring_fn = _layout(name, world, rank, zigzag, h,
+                                                                hk, g)
     qr, kr, vr, sr = (x.clone().requires_grad_() for x in (q, k, v, sink))
-    ref = ref_fn(qr, kr, vr, sr)
+    ref = ref_fn(qr, kr, vr, s_aux=sr, **kwargs)
     ref.backward(dout)
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     ss = sink.clone().requires_grad_()
-    out = ring_fn(qs, ks, vs, ss)
+    out = ring_fn(qs, ks, vs, **{"learnable_sink" if "varlen" in name else "s_aux": ss},
+                  **kwargs)
     out.backward(shard(dout))
     # The reference op's sink gradient reads its float32 softmax_lse (the ring's is float64
     # here): within float32's rounding, not float64's.
@@ -233,40 +245,16 @@ def _check_alibi_case(name: str, world: int, rank: int) -> None:
     zigzag, causal, window, softcap, h, hk, per_row = ALIBI_CASES[name]
     g = torch.Generator().manual_seed(70 + list(ALIBI_CASES).index(name))
     kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    if "varlen" in name:
-        lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
-        q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
-                         for n in (h, hk, hk, h))
-        rows = len(lens)
-
-        def ref_fn(q, k, v, slopes):
-            return flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens),
-                                                     alibi_slopes=slopes, **kwargs)
-
-        def ring_fn(q, k, v, slopes):
-            return ring_flash_attn_varlen_func(q, k, v, cu_local, max(lens) // world,
-                                               zigzag=zigzag, alibi_slopes=slopes, **kwargs)
-    else:
-        seqlen = 2 * world * CHUNK
-        rows = 2
-        q, k, v, dout = (torch.randn(rows, seqlen, n, 8, generator=g, dtype=torch.float64)
-                         for n in (h, hk, hk, h))
-        shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
-
-        def ref_fn(q, k, v, slopes):
-            return flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes, **kwargs)
-
-        def ring_fn(q, k, v, slopes):
-            return ring_flash_attn_func(q, k, v, zigzag=zigzag, alibi_slopes=slopes, **kwargs)
-
+    q, k, v, dout, rows, shard, unshard, ref_fn, ring_fn = _layout(name, world, rank, zigzag,
+                                                                   h, hk, g)
     # Steep slopes, so that a bias taken at the wrong positions shows.
     slopes = torch.rand((rows, h) if per_row else (h,), generator=g, dtype=torch.float64)
     slopes = (0.2 + slopes).float()
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    ref = ref_fn(qr, kr, vr, slopes)
+    ref = ref_fn(qr, kr, vr, alibi_slopes=slopes, **kwargs)
     ref.backward(dout)
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
-    out = ring_fn(qs, ks, vs, slopes)
+    out = ring_fn(qs, ks, vs, alibi_slopes=slopes, **kwargs)
     out.backward(shard(dout))
     _assert_close((("out", unshard(out.detach()), ref.detach()),
                    ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
