@@ -38,6 +38,8 @@ VARLEN_CHUNKS = (2, 1, 3)  # sequence i is 2 * world * 64 * VARLEN_CHUNKS[i] lon
 VARLEN_CASES = {
     "varlen_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
     "varlen_window_contiguous_d64": (False, False, (100, 20), 0.0, 2, 2, 64, torch.bfloat16),
+    # ALiBi with a row of slopes per sequence.
+    "varlen_alibi_causal_zigzag_d128": (True, True, (-1, -1), 0.0, 2, 2, 128, torch.bfloat16),
 }
 # The learnable sink (s_aux), one head's logit -inf.
 SINK_CASES = {
@@ -181,18 +183,24 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
     def unshard(x):
         return unshard_varlen(x, cu_local, world, zigzag)
 
+    slopes = None
+    if "alibi" in name:
+        slopes = 0.02 + 0.08 * torch.rand(len(lens), h, generator=g, device="cuda")
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out = ring_flash_attn_varlen_func(qs, ks, vs, cu_local, max(lens) // world, causal=causal,
-                                      window_size=window, softcap=softcap, zigzag=zigzag)
+                                      window_size=window, softcap=softcap, zigzag=zigzag,
+                                      alibi_slopes=slopes)
     out.backward(shard(dout))
     grads = [unshard(x.grad) for x in (qs, ks, vs)]
     full_out = unshard(out.detach())
     # The reference per sequence (batch of one), each sequence's rows checked on their own.
-    for a, b in zip(bounds, bounds[1:]):
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        kw = {"causal": causal, "window_size": window, "softcap": softcap}
+        if slopes is not None:
+            kw["alibi_slopes"] = slopes[i]
         compare_to_ref(full_out[a:b][None], [x[a:b][None] for x in grads],
-                       [x[a:b][None] for x in (q, k, v)], plain_qkv,
-                       {"causal": causal, "window_size": window, "softcap": softcap},
-                       dout[a:b][None], tag=f" rows {a}:{b}")
+                       [x[a:b][None] for x in (q, k, v)], plain_qkv, kw, dout[a:b][None],
+                       tag=f" rows {a}:{b}")
 
 
 def _check_error(name: str, world: int, rank: int) -> None:
