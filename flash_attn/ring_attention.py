@@ -187,10 +187,11 @@ class _Block:
         return self.pos - (ncols - nrows)
 
 
-def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[_Block]:
+def _block(qseg: Segment, kseg: Segment, left: float, right: float,
+           seq: int = 0) -> Optional[_Block]:
     """The sub-block of ``qseg`` x ``kseg`` where a query at global position p keeps the keys
     at positions ``[p - left, p + right]`` (``left`` / ``right`` may be ``math.inf``), or None
-    when it keeps none.
+    when it keeps none; ``seq``: the sequence both segments belong to.
 
     In the pair's local coordinates (i: query row, j: key column) a key is kept when
     ``lo <= j - i <= hi``, with ``lo = d - left``, ``hi = d + right`` and ``d`` the query
@@ -215,13 +216,13 @@ def _block(qseg: Segment, kseg: Segment, left: float, right: float) -> Optional[
     rows, cols = slice(ql0 + r0, ql0 + r1 + 1), slice(kl0 + c0, kl0 + c1 + 1)
     pos = (q0 + r0) - (k0 + c0)
     if lo <= -(nrows - 1) and hi >= ncols - 1:
-        return _Block(rows, cols, False, -1, -1, pos)
+        return _Block(rows, cols, False, -1, -1, pos, seq)
     o = ncols - nrows
     wl = -1 if math.isinf(lo) else int(o - lo)
     wr = -1 if math.isinf(hi) else int(hi - o)
     assert (wl >= 0 or math.isinf(lo)) and (wr >= 0 or math.isinf(hi)), (qseg, kseg, lo, hi)
     # The kernels take a causal mask as causal=True with window_right 0.
-    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr, pos)
+    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr, pos, seq)
 
 
 def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
@@ -231,9 +232,7 @@ def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
     out = []
     for seq, (qseq, kseq) in enumerate(zip(qsegs, ksegs)):
         blocks = [b for qs in qseq for ks in kseq
-                  if (b := _block(qs, ks, left, right)) is not None]
-        for b in blocks:
-            b.seq = seq
+                  if (b := _block(qs, ks, left, right, seq)) is not None]
         out += _coalesce(blocks, positional)
     return out
 

@@ -93,15 +93,13 @@ __forceinline__ __device__ void apply_alibi_tile(Tensor& s, Coord const& coord,
     }
     // -slope |d| = -slope_d d, slope_d = slope with d's sign; d = d0 + row offset - col offset.
     const float slope_d = d_min >= 0 ? bias.slope : -bias.slope;
-    const auto base = coord(0, 0);
-    const auto offsets = coord.layout();
-    const float d0 = float(row0 + int(get<0>(base)) + bias.shift - col0 - int(get<1>(base)));
+    const AlibiDistance<true, Coord> distance(coord, bias, row0, col0);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-        term[r] = -slope_d * (d0 + float(int(get<0>(offsets(r, 0)))));
+        term[r] = -slope_d * (distance.d0 + float(int(get<0>(distance.offsets(r, 0)))));
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s); ++c) {
-            s(r, c) = fmaf(slope_d, float(int(get<1>(offsets(r, c)))), s(r, c));
+            s(r, c) = fmaf(slope_d, float(int(get<1>(distance.offsets(r, c)))), s(r, c));
         }
     }
 }
