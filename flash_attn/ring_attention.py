@@ -651,12 +651,33 @@ def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor,
     return grad
 
 
+def _accumulate(acc: Tensor, rows: slice, g: Tensor, seen: Tensor) -> None:
+    """acc[:, rows] += g for an accumulator that starts uninitialised: ``seen`` (host side, a
+    bool per row of the slice) marks the rows an earlier call reached; the others are written
+    rather than added to, which spares a pass that zeroes the accumulator and a read of those
+    zeros."""
+    view = acc[:, rows]
+    if not bool(seen.any()):
+        view.copy_(g)
+        return
+    if not bool(seen.all()):
+        view[:, (~seen).to(acc.device)] = 0
+    view.add_(g)
+
+
+def _zero_untouched(acc: Tensor, touched: Tensor) -> None:
+    """Rows of ``acc`` (dim 1) that no :func:`_accumulate` reached get their zero gradient."""
+    if not bool(touched.all()):
+        acc[:, (~touched).to(acc.device)] = 0
+
+
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    ring: _Ring, seqlens: List[int], zigzag: bool, scale: float, left: float,
                    right: float, softcap: float, deterministic: bool,
                    alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor, Tensor]:
     cdt = reference._compute_dtype(q, k, v, dout)
-    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    dq = torch.empty(q.shape, dtype=cdt, device=q.device)
+    dq_touched = torch.zeros(q.shape[1], dtype=torch.bool)
     qsegs = _segments(ring.rank, ring.world, seqlens, zigzag)
     kv = torch.stack([k, v])
     ring.reserve(_TAG_KV, kv.numel() * kv.element_size())
@@ -675,20 +696,34 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic,
                                        alibi)
-            dq[:, blk.rows] += g_q
+            _accumulate(dq, blk.rows, g_q, dq_touched[blk.rows].clone())
+            dq_touched[blk.rows] = True
             grads.append((blk.cols, g_k, g_v))
         # The accumulator of this K/V block arrives from the previous rank (which had the block
         # one step earlier) while this step's kernels run; it is waited for only after they
         # have been issued, and this step's dK/dV are added into it in place. At step 0 the
-        # block is this rank's own and its accumulator starts at zero.
+        # block is this rank's own and its accumulator starts here.
         if dkv_in is None:
-            part = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+            part = torch.empty((2,) + tuple(k.shape), dtype=cdt, device=q.device)
+            cols_touched = torch.zeros(k.shape[1], dtype=torch.bool)
+            for cols, g_k, g_v in grads:
+                seen = cols_touched[cols].clone()
+                _accumulate(part[0], cols, g_k, seen)
+                _accumulate(part[1], cols, g_v, seen)
+                cols_touched[cols] = True
+            _zero_untouched(part[0], cols_touched)
+            _zero_untouched(part[1], cols_touched)
         else:
             ring.wait(dkv_reqs)
             part = dkv_in
-        for cols, g_k, g_v in grads:
-            part[0][:, cols] += g_k
-            part[1][:, cols] += g_v
+            for cols, g_k, g_v in grads:
+                part[0][:, cols] += g_k
+                part[1][:, cols] += g_v
+        if step == ring.world - 1:
+            # The last hop takes each accumulator to its block's owner, which only converts it
+            # to the inputs' dtype: converted here instead, the same values cross in half the
+            # bytes (for 16-bit inputs), and this hop is the one no kernel runs beside.
+            part = part.to(k.dtype)
         part_held = dkv_reqs
         dkv_reqs, dkv_in = ring.exchange(part, _TAG_DKV)
         if part_held is not None:
@@ -701,8 +736,9 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             kv, kv_held = kv_next, kv_reqs
     # After the last step each accumulator takes one more hop, to the owner of its block.
     ring.wait(dkv_reqs)
-    # Copies: dkv_in is a receive buffer, released below.
+    _zero_untouched(dq, dq_touched)
     dq = dq.to(q.dtype)
+    # Copies: dkv_in is a receive buffer, released below.
     dk, dv = dkv_in[0].to(k.dtype, copy=True), dkv_in[1].to(v.dtype, copy=True)
     ring.release(dkv_reqs)
     return dq, dk, dv

@@ -409,6 +409,27 @@ def test_transport_setting(monkeypatch):
         _transport()
 
 
+def test_accumulate_matches_a_zeroed_accumulator():
+    # The backward's accumulators start uninitialised (poisoned here with NaN): rows a block
+    # reaches first are written, rows reached again are added to, partly reached slices zero
+    # their new rows first, and rows never reached are zeroed at the end; the result must equal
+    # summing the same blocks into zeros.
+    from flash_attn.ring_attention import _accumulate, _zero_untouched
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    rows = 12
+    acc = torch.full((2, rows, 3), float("nan"), dtype=torch.float64)
+    want = torch.zeros(2, rows, 3, dtype=torch.float64)
+    touched = torch.zeros(rows, dtype=torch.bool)
+    for sl in (slice(2, 5), slice(3, 8), slice(2, 5), slice(9, 10)):  # rows 0, 1, 8, 10, 11: none
+        g = torch.randn(2, sl.stop - sl.start, 3, generator=gen).to(torch.bfloat16)
+        _accumulate(acc, sl, g, touched[sl].clone())
+        touched[sl] = True
+        want[:, sl] += g.double()
+    _zero_untouched(acc, touched)
+    assert torch.equal(acc, want)
+
+
 def test_window_blocks_cover_the_band():
     # Every (query chunk, key chunk) pair's sub-block, masked as the kernel masks it, equals the
     # global window restricted to the pair.
