@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="bwd: deterministic=True")
     p.add_argument("--varlen", action="store_true",
                    help="the same sequences packed, through cu_seqlens (the band kernels)")
+    p.add_argument("--gqa", type=int, default=1,
+                   help="query heads per K/V head (K and V get heads / GQA heads)")
     p.add_argument("--alibi", action="store_true",
                    help="ALiBi slopes 2^(-8 (h + 1) / heads) per head, as in the ALiBi paper")
     return p.parse_args(argv)
@@ -127,8 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     for d in (int(x) for x in args.hdims.split(",")):
         for s in (int(x) for x in args.seqlens.split(",")):
             batch, heads = max(1, 16384 // s), 2048 // d
-            q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
-                       for _ in range(3))
+            if heads % args.gqa:
+                raise SystemExit(f"ab_builds: --gqa {args.gqa} does not divide {heads} heads")
+            q = torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(batch, s, heads // args.gqa, d, device="cuda", dtype=dtype)
+                    for _ in range(2))
             if args.dtype == "e4m3":
                 q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             slopes = None
