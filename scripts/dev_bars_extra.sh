@@ -9,7 +9,9 @@
 #   2. benchmarks/benchmark_alibi.py: ALiBi against the same kernels without it (goal:
 #      >= 0.95), forward and backward, CUDA graphs;
 #   3. benchmarks/benchmark_decode.py, pages of 16 / 32 / 256 at d = 64, 128 and 256 (goal:
-#      pages of 16 at >= 0.9 of pages of 256).
+#      pages of 16 at >= 0.9 of pages of 256);
+#   4. benchmarks/power_clocks.py --bwd: clock and power under the d128 16k backward,
+#      non-causal, causal, with ALiBi, and FlashAttention-3's when dev_peer_grid.sh built it.
 # OUT: where logs go (default build/bars_extra_logs).
 source scripts/call_prelude.sh build/bars_extra_logs
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the scripts
@@ -35,3 +37,6 @@ for d in 64 128 256; do
   timeout 40 python3 benchmarks/benchmark_decode.py --hdim "$d" --pages 16,32,256 \
     --seqlens-q 1 --heads 32:8 2>&1 | tee "$OUT/decode_d$d.log" | grep "^|" | tail -3
 done; t
+fa3=$(ls build/peers/fa3/hopper/flash_attn_3/_C*.so 2>/dev/null | head -1)
+timeout 60 python3 benchmarks/power_clocks.py --bwd ${fa3:+--fa3 "$fa3"} 2>&1 \
+  | tee "$OUT/power_bwd.log" | grep -v Warning; t
