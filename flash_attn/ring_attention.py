@@ -5,7 +5,8 @@ round the ring (rank r sends to r + 1 and receives from r - 1) with point-to-poi
 (``batch_isend_irecv``: NCCL on GPUs, gloo on CPU); each rank attends its queries to every
 K/V shard in turn and merges the partial outputs with their log-sum-exp. The backward sends
 K/V round the ring again, together with the dK/dV accumulators, so that each accumulator ends
-at the rank that owns its K/V shard.
+at the rank that owns its K/V shard. The accumulators travel in float32 (float64 for float64
+inputs) and make their last hop, to the owner, in the inputs' dtype.
 
 The transfer of the next K/V shard is issued before the current shard's attention runs and
 waited for after it, so they overlap: with NCCL the transfers run on NCCL's own stream and
