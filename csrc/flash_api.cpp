@@ -530,18 +530,20 @@ void set_alibi(flash::AttnShape& s, const std::optional<Tensor>& slopes, int64_t
 }
 
 // Dropout (dropout_p > 0): the mask's (seed, offset) come from rng_state, int64 (2,) on q's device,
-// which the kernels read, so that a replayed CUDA graph uses the values its capture wrote there.
-// The SM80 kernels draw it (common/dropout.h).
+// which the kernels read, so that a replayed CUDA graph uses the values its capture wrote there;
+// (5,) adds the call's place in a larger attention (AttnShape::rng_positions). The SM80 kernels
+// draw it (common/dropout.h).
 void set_dropout(flash::AttnShape& s, double dropout_p, const std::optional<Tensor>& rng_state,
                  const Tensor& q) {
     if (dropout_p <= 0.0) return;
     FA_CHECK(dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ", dropout_p);
     FA_CHECK(rng_state.has_value() && rng_state->scalar_type() == ScalarType::Long &&
-                 rng_state->numel() == 2 && rng_state->is_contiguous() &&
-                 rng_state->device() == q.device(),
+                 (rng_state->numel() == 2 || rng_state->numel() == 5) &&
+                 rng_state->is_contiguous() && rng_state->device() == q.device(),
              "flash_attn: dropout needs rng_state, a contiguous int64 tensor of 2 elements "
-             "(seed, offset) on q's device");
+             "(seed, offset) or 5 (seed, offset, entry0, row0, col0) on q's device");
     s.rng_state = ptr<int64_t>(*rng_state);
+    s.rng_positions = rng_state->numel() == 5;
     // Round half to even, as Python's round() in flash_attn/dropout.py.
     const double keep = std::nearbyint((1.0 - dropout_p) * 65536.0);
     s.dropout_keep = uint32_t(std::clamp(keep, 0.0, 65536.0));

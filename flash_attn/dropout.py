@@ -4,7 +4,13 @@ reference path.
 Status: the CPU reference path (flash_attn.reference) and the SM80 CUDA kernels
 (csrc/common/dropout.h, which every GPU runs under dropout) apply it; the SM90 kernels do not
 draw it yet. A call's generator state is an int64 tensor ``rng_state = (seed, offset)``
-(:func:`new_rng_state`), which the backward and ``return_attn_probs`` replay.
+(:func:`new_rng_state`), which the backward and ``return_attn_probs`` replay. A state of five,
+``(seed, offset, entry0, row0, col0)`` (:func:`at_positions`), places the call's scores inside
+a larger attention: its batch entry (varlen sequence) ``b``, query row ``i`` and key column
+``j`` take the numbers of ``b + entry0``, ``i + row0`` and ``j + col0``, with ``row0`` and
+``col0`` multiples of 16 so that the call's 16 x 16 blocks are the larger one's. Ring attention
+(flash_attn.ring_attention) calls the kernels on blocks of a sharded sequence this way and
+draws the mask of the whole sequence.
 
 Definition. For query row ``i`` and key column ``j`` of a sequence (positions within the
 sequence, varlen too), query head ``h`` of batch entry (or varlen sequence) ``b``, with
@@ -102,18 +108,41 @@ def new_rng_state(device: Optional[torch.device | str] = None) -> Tensor:
     return torch.randint(0, 2 ** 62, (2,), dtype=torch.int64, device=device)
 
 
+def at_positions(rng_state: Tensor, entry0: int, row0: int, col0: int) -> Tensor:
+    """The five-element state (module docstring) of a call whose batch entry 0, query row 0 and
+    key column 0 are ``entry0``, ``row0`` and ``col0`` of the attention that ``rng_state`` (a
+    two-element state) draws the mask of; on rng_state's device."""
+    if row0 < 0 or col0 < 0 or entry0 < 0 or row0 % 16 or col0 % 16:
+        raise ValueError(f"flash_attn: dropout positions must be >= 0 with row0 and col0 "
+                         f"multiples of 16, got entry0={entry0}, row0={row0}, col0={col0}")
+    pos = torch.tensor([entry0, row0, col0], dtype=torch.int64)
+    return torch.cat([rng_state.reshape(2), pos.to(rng_state.device)])
+
+
+def _unpack(rng_state: Tensor) -> Tuple[int, int, int, int, int]:
+    """(seed, offset, entry0, row0, col0) of a two- or five-element state."""
+    vals = [int(x) for x in rng_state.tolist()]
+    if len(vals) == 2:
+        return vals[0], vals[1], 0, 0, 0
+    if len(vals) != 5 or min(vals[2:]) < 0 or vals[3] % 16 or vals[4] % 16:
+        raise ValueError("flash_attn: rng_state must be (seed, offset) or (seed, offset, entry0, "
+                         f"row0, col0) with row0 and col0 multiples of 16, got {vals}")
+    return vals[0], vals[1], vals[2], vals[3], vals[4]
+
+
 def _block_random16(seed: int, offset: int, bh: Tensor, row_blocks: int,
-                    col_blocks: int) -> Tensor:
+                    col_blocks: int, row_block0: int = 0, col_block0: int = 0) -> Tensor:
     """The numbers of whole 16 x 16 blocks, one Philox call per (block, lane) as the kernels
-    compute them: (len(bh), 16 * row_blocks, 16 * col_blocks)."""
+    compute them: (len(bh), 16 * row_blocks, 16 * col_blocks), from block (row_block0,
+    col_block0) on."""
     dev = bh.device
     # (16, 16): each element's lane and its number there
     lane, half = _lane_and_half(torch.arange(16, device=dev).view(-1, 1),
                                 torch.arange(16, device=dev).view(1, -1))
     counter = torch.stack(torch.broadcast_tensors(
-        32 * torch.arange(col_blocks, device=dev).view(1, 1, -1, 1)
+        32 * torch.arange(col_block0, col_block0 + col_blocks, device=dev).view(1, 1, -1, 1)
         + torch.arange(32, device=dev).view(1, 1, 1, -1),
-        torch.arange(row_blocks, device=dev).view(1, -1, 1, 1),
+        torch.arange(row_block0, row_block0 + row_blocks, device=dev).view(1, -1, 1, 1),
         bh.long().view(-1, 1, 1, 1),
         torch.tensor(offset & _MASK32, device=dev)), dim=-1)  # (bh, I, J, lane, 4)
     words = philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32))
@@ -126,10 +155,13 @@ def dropout_factor(rng_state: Tensor, dropout_p: float, entry0: int, entries: in
                    seqlen_q: int, seqlen_k: int, dtype: torch.dtype,
                    device: Optional[torch.device] = None) -> Tensor:
     """(entries, nheads, seqlen_q, seqlen_k): 1 / (1 - p) where the score is kept, 0 where it is
-    dropped, for the batch entries (varlen sequences) entry0 .. entry0 + entries - 1."""
-    seed, offset = (int(x) for x in rng_state.tolist())
+    dropped, for the batch entries (varlen sequences) entry0 .. entry0 + entries - 1 (of the
+    call; a five-element rng_state moves them, and the rows and columns, as it says)."""
+    seed, offset, entry_shift, row0, col0 = _unpack(rng_state)
+    entry0 += entry_shift
     bh = torch.arange(entry0 * nheads, (entry0 + entries) * nheads, device=device)
-    numbers = _block_random16(seed, offset, bh, -(-seqlen_q // 16), -(-seqlen_k // 16))
+    numbers = _block_random16(seed, offset, bh, -(-seqlen_q // 16), -(-seqlen_k // 16),
+                              row0 // 16, col0 // 16)
     keep = numbers[:, :seqlen_q, :seqlen_k] < keep_threshold(dropout_p)
     return keep.view(entries, nheads, seqlen_q, seqlen_k).to(dtype) / (1.0 - dropout_p)
 

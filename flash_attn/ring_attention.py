@@ -60,8 +60,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _fp8, ops, reference
+from . import _validation as V
 from ._validation import _check_alibi, _check_sink
-from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from .dropout import at_positions, dropout_factor, new_rng_state
+from .flash_attn_interface import _forward
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "zigzag_shard",
            "zigzag_unshard", "zigzag_shard_varlen", "zigzag_unshard_varlen"]
@@ -169,16 +171,21 @@ class _Block:
 
     ``rows`` / ``cols`` are local slices of the query / key shard; ``causal``,
     ``window_left``, ``window_right`` are the kernel's arguments for that sub-block (bottom-right
-    aligned, -1 unbounded). ``pos`` is the global position of its first row minus that of its
-    first column (ALiBi's distance at local (0, 0)); ``seq`` the sequence it belongs to."""
+    aligned, -1 unbounded). ``q0`` / ``k0`` are the global positions of its first row and first
+    column; ``seq`` the sequence it belongs to."""
 
-    __slots__ = ("rows", "cols", "causal", "window_left", "window_right", "pos", "seq")
+    __slots__ = ("rows", "cols", "causal", "window_left", "window_right", "q0", "k0", "seq")
 
     def __init__(self, rows: slice, cols: slice, causal: bool, window_left: int,
-                 window_right: int, pos: int = 0, seq: int = 0):
+                 window_right: int, q0: int = 0, k0: int = 0, seq: int = 0):
         self.rows, self.cols = rows, cols
         self.causal, self.window_left, self.window_right = causal, window_left, window_right
-        self.pos, self.seq = pos, seq
+        self.q0, self.k0, self.seq = q0, k0, seq
+
+    @property
+    def pos(self) -> int:
+        """ALiBi's distance at local (0, 0): the first row's position minus the first column's."""
+        return self.q0 - self.k0
 
     def alibi_offset(self) -> int:
         """The kernels' ``alibi_offset`` for this sub-block: their distance
@@ -188,11 +195,15 @@ class _Block:
         return self.pos - (ncols - nrows)
 
 
-def _block(qseg: Segment, kseg: Segment, left: float, right: float,
-           seq: int = 0) -> Optional[_Block]:
+def _block(qseg: Segment, kseg: Segment, left: float, right: float, seq: int = 0,
+           align: int = 1) -> Optional[_Block]:
     """The sub-block of ``qseg`` x ``kseg`` where a query at global position p keeps the keys
     at positions ``[p - left, p + right]`` (``left`` / ``right`` may be ``math.inf``), or None
-    when it keeps none; ``seq``: the sequence both segments belong to.
+    when it keeps none; ``seq``: the sequence both segments belong to. ``align``: its first row
+    and first column are moved back to global positions that are multiples of it (within the
+    segments, whose starts must be such multiples), as dropout's 16 x 16 blocks need; moving
+    the top-left corner leaves the bottom-right aligned mask's window as it was, and the rows
+    and columns so added keep nothing.
 
     In the pair's local coordinates (i: query row, j: key column) a key is kept when
     ``lo <= j - i <= hi``, with ``lo = d - left``, ``hi = d + right`` and ``d`` the query
@@ -211,29 +222,31 @@ def _block(qseg: Segment, kseg: Segment, left: float, right: float,
     if r0 > r1 or c0 > c1:
         return None
     r0, r1, c0, c1 = int(r0), int(r1), int(c0), int(c1)
+    assert q0 % align == 0 and k0 % align == 0, (qseg, kseg, align)
+    r0, c0 = r0 - r0 % align, c0 - c0 % align
     nrows, ncols = r1 - r0 + 1, c1 - c0 + 1
     # The band in the sub-block's coordinates.
     lo, hi = lo + r0 - c0, hi + r0 - c0
     rows, cols = slice(ql0 + r0, ql0 + r1 + 1), slice(kl0 + c0, kl0 + c1 + 1)
-    pos = (q0 + r0) - (k0 + c0)
     if lo <= -(nrows - 1) and hi >= ncols - 1:
-        return _Block(rows, cols, False, -1, -1, pos, seq)
+        return _Block(rows, cols, False, -1, -1, q0 + r0, k0 + c0, seq)
     o = ncols - nrows
     wl = -1 if math.isinf(lo) else int(o - lo)
     wr = -1 if math.isinf(hi) else int(hi - o)
     assert (wl >= 0 or math.isinf(lo)) and (wr >= 0 or math.isinf(hi)), (qseg, kseg, lo, hi)
     # The kernels take a causal mask as causal=True with window_right 0.
-    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr, pos, seq)
+    return _Block(rows, cols, wl == -1 and wr == 0, wl, wr, q0 + r0, k0 + c0, seq)
 
 
 def _blocks(qsegs: List[List[Segment]], ksegs: List[List[Segment]], left: float,
-            right: float, positional: bool = False) -> List[_Block]:
+            right: float, positional: bool = False, align: int = 1) -> List[_Block]:
     """The visible sub-blocks between the segments of each sequence (sequences never see each
-    other). ``positional``: the kernels see global positions (ALiBi), see :func:`_coalesce`."""
+    other). ``positional``: the kernels see global positions (ALiBi, dropout), see
+    :func:`_coalesce`; ``align`` as in :func:`_block`."""
     out = []
     for seq, (qseq, kseq) in enumerate(zip(qsegs, ksegs)):
         blocks = [b for qs in qseq for ks in kseq
-                  if (b := _block(qs, ks, left, right, seq)) is not None]
+                  if (b := _block(qs, ks, left, right, seq, align)) is not None]
         out += _coalesce(blocks, positional)
     return out
 
@@ -245,8 +258,9 @@ def _unmasked(b: _Block) -> bool:
 def _coalesce(blocks: List[_Block], positional: bool = False) -> List[_Block]:
     """Joins neighbouring sub-blocks into one kernel call where the joined block's mask is exact:
     fewer, larger calls and fewer merges (zigzag: 2 calls per step instead of up to 4).
-    ``positional`` (ALiBi, whose bias is one offset per call): only blocks that are neighbours
-    in global positions too, so that the joined block has one ``pos``.
+    ``positional`` (ALiBi, whose bias is one offset per call, and dropout, whose mask is drawn
+    at the call's global positions): only blocks that are neighbours in global positions too,
+    so that the joined block's positions are its first block's.
 
     * Same rows, adjacent columns, the left block fully visible and the right one unbounded on
       the left (no mask, causal, or window_left -1): the right block's mask, bottom-right
@@ -266,11 +280,11 @@ def _coalesce(blocks: List[_Block], positional: bool = False) -> List[_Block]:
                         and b.window_left == -1
                         and (not positional or b.pos == a.pos - width)):
                     joined = _Block(a.rows, slice(a.cols.start, b.cols.stop), b.causal, -1,
-                                    b.window_right, a.pos, a.seq)
+                                    b.window_right, a.q0, a.k0, a.seq)
                 elif (a.cols == b.cols and a.rows.stop == b.rows.start and _unmasked(a)
                       and _unmasked(b) and (not positional or b.pos == a.pos + height)):
                     joined = _Block(slice(a.rows.start, b.rows.stop), a.cols, False, -1, -1,
-                                    a.pos, a.seq)
+                                    a.q0, a.k0, a.seq)
                 else:
                     continue
                 blocks = [x for n, x in enumerate(blocks) if n not in (i, j)] + [joined]
@@ -309,41 +323,71 @@ class _Alibi:
         return self.slopes[blk.seq] if self.per_sequence else self.slopes
 
 
+class _Dropout:
+    """Dropout under sharding: the call's probability and generator state (seed, offset), drawn
+    once per call (the same on every rank when their generators agree, e.g. after
+    ``torch.manual_seed``). Each block's kernel call draws the mask at the block's global
+    positions (:func:`flash_attn.dropout.at_positions`), so that the sequence's mask is the one
+    a single call on the whole sequence would draw."""
+
+    __slots__ = ("p", "rng_state")
+
+    def __init__(self, p: float, rng_state: Tensor):
+        self.p, self.rng_state = p, rng_state
+
+    def state(self, blk: _Block) -> Tensor:
+        return at_positions(self.rng_state, blk.seq, blk.q0, blk.k0)
+
+    def factor(self, blk: _Block, batch: int, nheads: int, rows: int, cols: int,
+               dtype: torch.dtype) -> Tensor:
+        """The CPU path's mask factor (batch, nheads, rows, cols) of the block."""
+        return dropout_factor(self.state(blk), self.p, 0, batch, nheads, rows, cols, dtype,
+                              self.rng_state.device)
+
+
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
-               softcap: float, sm_margin: int,
-               alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
+               softcap: float, sm_margin: int, alibi: Optional[_Alibi],
+               dropout: Optional[_Dropout]) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q's rows against one K/V block, lse (batch, nheads, rows) with +inf on
     rows that keep no key. CUDA: the kernel (out in q's dtype, lse float32), leaving
     ``sm_margin`` SMs free; CPU: the compute dtype (float64 for float64 inputs) for both.
-    ALiBi's bias is that of the block's global positions (``alibi_offset``)."""
+    ALiBi's bias is that of the block's global positions (``alibi_offset``), and so is
+    dropout's mask (lse is the softmax's, before dropout, which makes the merge exact)."""
     slopes = None if alibi is None else alibi.of(blk)
     offset = blk.alibi_offset()
     if q.is_cuda:
+        drop = {} if dropout is None else {"dropout_p": dropout.p,
+                                           "rng_state": dropout.state(blk)}
         return ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale,
                                   blk.causal, blk.window_left, blk.window_right, softcap,
                                   alibi_slopes=slopes, sm_margin=sm_margin,
-                                  alibi_offset=offset)
+                                  alibi_offset=offset, **drop)
     cdt = reference._compute_dtype(q, k, v)
+    factor = None if dropout is None else dropout.factor(blk, q.shape[0], q.shape[2],
+                                                         q.shape[1], k.shape[1], cdt)
     return reference._forward_dense(q.to(cdt), k.to(cdt), v.to(cdt), scale, blk.causal,
                                     blk.window_left, blk.window_right, softcap, None,
-                                    alibi=slopes, alibi_offset=offset)
+                                    alibi=slopes, drop=factor, alibi_offset=offset)
 
 
 def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                scale: float, blk: _Block, softcap: float, deterministic: bool,
-               alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor, Tensor]:
+               alibi: Optional[_Alibi],
+               dropout: Optional[_Dropout]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one K/V block given the merged ``out`` and ``lse`` of q's rows: the
     probabilities are ``exp(s - lse)`` with the global lse and the softmax term uses
     ``rowsum(dout * out)`` with the global out, as in the kernels' backward. dk/dv are summed
-    over each GQA group. ALiBi as in :func:`_block_fwd`."""
+    over each GQA group. ALiBi and dropout as in :func:`_block_fwd`."""
     slopes = None if alibi is None else alibi.of(blk)
     offset = blk.alibi_offset()
     if q.is_cuda:
+        drop = {} if dropout is None else {"dropout_p": dropout.p,
+                                           "rng_state": dropout.state(blk)}
         # The row slice of lse is strided; the kernel reads it as a contiguous array.
         return ops.flash_attn_bwd(dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1],
                                   k.shape[1], scale, blk.causal, blk.window_left,
                                   blk.window_right, softcap, deterministic,
-                                  alibi_slopes=slopes, alibi_offset=offset)
+                                  alibi_slopes=slopes, alibi_offset=offset, **drop)
     cdt = reference._compute_dtype(q, k, v, dout)
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
     h, hk = q.shape[2], k.shape[2]
@@ -355,8 +399,12 @@ def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                                blk.window_right, device=q.device)
     # lse is +inf on rows without any kept key anywhere: exp gives 0 there.
     p = torch.exp(s - lse.to(cdt)[..., None]).masked_fill(~keep, 0.0)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, doc)
+    factor = None if dropout is None else dropout.factor(blk, q.shape[0], h, q.shape[1],
+                                                         k.shape[1], cdt)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p if factor is None else p * factor, doc)
     dp = torch.einsum("bqhd,bkhd->bhqk", doc, ve)
+    if factor is not None:
+        dp = dp * factor  # the gradient reaching p through the dropped, scaled probabilities
     delta = (doc * out.to(cdt)).sum(-1).transpose(1, 2)[..., None]  # (b, h, q, 1)
     ds = p * (dp - delta)
     if t is not None:
@@ -593,10 +641,19 @@ def _lse_join(old: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return new, w_old, w_new
 
 
+def _ring_blocks(qsegs: List[List[Segment]], owner: int, ring: _Ring, seqlens: List[int],
+                 zigzag: bool, left: float, right: float, alibi: Optional[_Alibi],
+                 dropout: Optional[_Dropout]) -> List[_Block]:
+    """The kernel calls of this rank's queries against ``owner``'s K/V shard: at global
+    positions where ALiBi or dropout needs them, on dropout's 16-row grid."""
+    return _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right,
+                   alibi is not None or dropout is not None, 16 if dropout is not None else 1)
+
+
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[int],
                   zigzag: bool, scale: float, left: float, right: float,
-                  softcap: float, sink: Optional[Tensor],
-                  alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
+                  softcap: float, sink: Optional[Tensor], alibi: Optional[_Alibi],
+                  dropout: Optional[_Dropout]) -> Tuple[Tensor, Tensor]:
     b, s, h, d = q.shape
     cdt = reference._compute_dtype(q, k, v)
     acc_out = torch.zeros(b, s, h, d, dtype=cdt, device=q.device)
@@ -611,10 +668,10 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, seqlens: List[in
         if sending:
             reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
-        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right,
-                           alibi is not None):
+        for blk in _ring_blocks(qsegs, owner, ring, seqlens, zigzag, left, right, alibi,
+                                dropout):
             o, lse = _block_fwd(q[:, blk.rows], kv[0][:, blk.cols], kv[1][:, blk.cols], scale,
-                                blk, softcap, ring.margin(sending), alibi)
+                                blk, softcap, ring.margin(sending), alibi, dropout)
             fresh = not bool(touched[blk.rows].any())
             _merge(acc_out, acc_lse, blk.rows, o, lse, fresh)
             touched[blk.rows] = True
@@ -675,7 +732,8 @@ def _zero_untouched(acc: Tensor, touched: Tensor) -> None:
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    ring: _Ring, seqlens: List[int], zigzag: bool, scale: float, left: float,
                    right: float, softcap: float, deterministic: bool,
-                   alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor, Tensor]:
+                   alibi: Optional[_Alibi],
+                   dropout: Optional[_Dropout]) -> Tuple[Tensor, Tensor, Tensor]:
     cdt = reference._compute_dtype(q, k, v, dout)
     dq = torch.empty(q.shape, dtype=cdt, device=q.device)
     dq_touched = torch.zeros(q.shape[1], dtype=torch.bool)
@@ -691,12 +749,12 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             kv_reqs, kv_next = ring.exchange(kv, _TAG_KV)
         owner = (ring.rank - step) % ring.world
         grads: List[Tuple[slice, Tensor, Tensor]] = []
-        for blk in _blocks(qsegs, _segments(owner, ring.world, seqlens, zigzag), left, right,
-                           alibi is not None):
+        for blk in _ring_blocks(qsegs, owner, ring, seqlens, zigzag, left, right, alibi,
+                                dropout):
             g_q, g_k, g_v = _block_bwd(dout[:, blk.rows], q[:, blk.rows], kv[0][:, blk.cols],
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic,
-                                       alibi)
+                                       alibi, dropout)
             _accumulate(dq, blk.rows, g_q, dq_touched[blk.rows].clone())
             dq_touched[blk.rows] = True
             grads.append((blk.cols, g_k, g_v))
@@ -749,17 +807,20 @@ class _RingFlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], ring: _Ring,
                 seqlens: List[int], zigzag: bool, scale: float, left: float, right: float,
-                softcap: float, deterministic: bool,
-                alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
+                softcap: float, deterministic: bool, alibi: Optional[_Alibi],
+                dropout_p: float) -> Tuple[Tensor, Tensor]:
+        # One generator state per call, drawn as flash_attn_func draws it.
+        dropout = _Dropout(dropout_p, new_rng_state(q.device)) if dropout_p > 0.0 else None
         if any(ctx.needs_input_grad[:3]):
             # The dK/dV channel's room now rather than in the backward, where every rank would
             # stop for a collective reallocation.
             cdt = reference._compute_dtype(q, k, v)
             ring.reserve(_TAG_DKV, 2 * k.numel() * torch.empty((), dtype=cdt).element_size())
         out, lse = _ring_forward(q, k, v, ring, seqlens, zigzag, scale, left, right, softcap,
-                                 sink, alibi)
+                                 sink, alibi, dropout)
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic, alibi)
+        ctx.args = (ring, seqlens, zigzag, scale, left, right, softcap, deterministic, alibi,
+                    dropout)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -774,7 +835,7 @@ class _RingFlashAttnFunc(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = _sink_grad(dout, out, lse, sink, ctx.args[0].group)
-        return (dq, dk, dv, dsink) + (None,) * 9
+        return (dq, dk, dv, dsink) + (None,) * 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -891,10 +952,8 @@ def _unsupported(fn: str, qkv: Tuple[Tensor, Tensor, Tensor], dropout_p: float,
         # descales have no argument here.
         raise NotImplementedError(f"{fn}: FP8 (float8_e4m3fn) inputs are not implemented under "
                                   f"sharding; pass bf16/fp16 shards")
-    if dropout_p != 0.0:
-        # The kernels draw the mask from each score's position in the call, not in the
-        # sequence: the shards' masks would not be the single-device call's.
-        raise NotImplementedError(f"{fn}: dropout_p is not implemented under sharding")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p}")
     if return_attn_probs:
         raise NotImplementedError(f"{fn}: return_attn_probs is not implemented under sharding "
                                   f"(use return_softmax_lse for the log-sum-exp)")
@@ -909,8 +968,8 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
                     cu_seqlens: Optional[Tensor], local: Optional[str],
                     group: Optional[dist.ProcessGroup], world: int, rank: int, causal: bool,
                     window_size, softcap: float, softmax_scale: Optional[float], zigzag: bool,
-                    deterministic: bool, sink: Optional[Tensor],
-                    alibi: Optional[_Alibi]) -> Tuple[Tensor, Tensor]:
+                    deterministic: bool, sink: Optional[Tensor], alibi: Optional[_Alibi],
+                    dropout_p: float) -> Tuple[Tensor, Tensor]:
     """The checks that involve the group, then the ring, on 4-D q, k, v."""
     backend_err = _backend_error(q.device, dist.get_backend(group))
     if backend_err is not None:
@@ -919,13 +978,30 @@ def _ring_attention(fn: str, q: Tensor, k: Tensor, v: Tensor, seqlens: List[int]
     if local is None:
         local = _local_error(q, k, v, seqlens, zigzag)
     _check_shapes(fn, q, k, cu_seqlens, local, group, world, rank)
+    if dropout_p > 0.0:
+        # After the shape check, so that every rank has the same lengths and raises alike.
+        _check_dropout_grid(fn, seqlens, zigzag, world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     left = math.inf if window_size[0] < 0 else window_size[0]
     right = 0 if causal else (math.inf if window_size[1] < 0 else window_size[1])
     q, k, v = (x.contiguous() for x in (q, k, v))
     ring = _make_ring(group, world, rank, q.device)
     return _RingFlashAttnFunc.apply(q, k, v, sink, ring, seqlens, zigzag, scale, left, right,
-                                    float(softcap), deterministic, alibi)
+                                    float(softcap), deterministic, alibi, float(dropout_p))
+
+
+def _check_dropout_grid(fn: str, seqlens: List[int], zigzag: bool, world: int) -> None:
+    """Dropout's mask is drawn in 16 x 16 blocks of global positions, and each kernel call
+    draws whole blocks from its first row and column: every shard chunk must start on a
+    multiple of 16."""
+    chunks = [n // 2 if zigzag else n for n in seqlens]
+    bad = [c for c in chunks if c % 16]
+    if bad:
+        what = "each of the 2N zigzag chunks" if zigzag else "each rank's shard"
+        raise NotImplementedError(
+            f"{fn}: dropout_p > 0 needs {what} of every sequence to be a multiple of 16 rows "
+            f"long (the dropout mask is drawn in 16 x 16 blocks of global positions), got "
+            f"chunks of {sorted(set(bad))} rows on {world} ranks")
 
 
 def ring_flash_attn_func(
@@ -964,8 +1040,12 @@ def ring_flash_attn_func(
         softmax_scale: default ``1 / sqrt(headdim)``.
         zigzag: True: rank r of N holds chunks r and 2N-1-r of the sequence split into 2N
             (:func:`zigzag_shard`); False: rank r holds rows ``[r * S, (r + 1) * S)``.
-        dropout_p, return_attn_probs: not implemented under sharding (a value other than the
-            default raises NotImplementedError).
+        dropout_p: dropout probability; the mask is the one :func:`flash_attn.flash_attn_func`
+            draws for the whole sequence when every rank's generator is in the same state
+            (``torch.manual_seed``). Each zigzag chunk (each shard without zigzag) must be a
+            multiple of 16 rows (NotImplementedError otherwise). On CUDA it runs the SM80
+            kernels, as dropout does on one GPU.
+        return_attn_probs: not implemented under sharding (True raises NotImplementedError).
         alibi_slopes: (nheads,) or (batch, nheads) float32, optional, the same on every rank:
             the bias ``-slope * |i - j|`` over global positions i, j of the sequence.
         deterministic: handed to the CUDA backward kernel (the ring's own order is fixed).
@@ -990,11 +1070,14 @@ def ring_flash_attn_func(
     _unsupported(fn, (q, k, v), dropout_p, return_attn_probs, window_size, softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
-        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                      window_size=tuple(window_size), softcap=softcap,
-                                      alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                      return_attn_probs=True, s_aux=s_aux,
-                                      learnable_sink=learnable_sink)
+        # flash_attn_func's path, without its return_attn_probs (which would materialize the
+        # probabilities) to get the lse.
+        a = V.validate_qkv(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                           causal=causal, window_size=tuple(window_size), softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           s_aux=s_aux, learnable_sink=learnable_sink)
+        out, lse, _ = _forward(q, k, v, a, None, None, None, a.seqlen_q, a.seqlen_k,
+                               deterministic)
         return (out, lse) if return_softmax_lse else out
     local = None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -1005,7 +1088,7 @@ def ring_flash_attn_func(
     out, lse = _ring_attention(fn, q, k, v, [q.shape[1]] if local is None else [], None,
                                local or sink_err or alibi_err, group, world, rank, causal,
                                window_size, softcap, softmax_scale, zigzag, deterministic,
-                               sink, alibi)
+                               sink, alibi, dropout_p)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -1098,11 +1181,13 @@ def ring_flash_attn_varlen_func(
     _unsupported(fn, (q, k, v), dropout_p, return_attn_probs, window_size, softcap)
     world, rank = _group_size_rank(group)
     if world == 1:
-        out, lse, _ = flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        a = V.validate_varlen_qkv(
+            fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
             softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
             softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-            return_attn_probs=True, s_aux=s_aux, learnable_sink=learnable_sink)
+            s_aux=s_aux, learnable_sink=learnable_sink)
+        out, lse, _ = _forward(q, k, v, a, cu_seqlens, cu_seqlens, None, max_seqlen, max_seqlen,
+                               deterministic)
         return (out, lse) if return_softmax_lse else out
     local = _varlen_local_error(q, k, v, cu_seqlens)
     seqlens: List[int] = []
@@ -1117,7 +1202,7 @@ def ring_flash_attn_varlen_func(
     alibi, alibi_err = _ring_alibi(fn, alibi_slopes, q, len(seqlens), True, local)
     out, lse = _ring_attention(fn, q, k, v, seqlens, cu_check, local or sink_err or alibi_err,
                                group, world, rank, causal, window_size, softcap, softmax_scale,
-                               zigzag, deterministic, sink, alibi)
+                               zigzag, deterministic, sink, alibi, dropout_p)
     out, lse = out[0], lse[0]
     return (out, lse) if return_softmax_lse else out
 

@@ -84,6 +84,34 @@ def test_varlen_replays_each_sequence_mask():
                        tag=f" sequence {bi}")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_positioned_state_draws_the_larger_mask(causal):
+    # A five-element state (seed, offset, entry0, row0, col0), as ring attention hands each
+    # block: the kernels must draw the scores of entry b + entry0, row i + row0, column
+    # j + col0 (fresh positions each run; row0, col0 multiples of 16).
+    from flash_attn import ops
+    from flash_attn.dropout import at_positions
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    entry0, row0, col0 = (int(torch.randint(0, 64, (1,), generator=gen)) * m for m in (1, 16, 16))
+    b, sq, sk, h, d, p = 2, 96, 160, 2, 64, 0.3
+    q, k, v = rand(b, sq, h, d, dtype=torch.bfloat16), rand(b, sk, h, d, dtype=torch.bfloat16), \
+        rand(b, sk, h, d, dtype=torch.bfloat16)
+    state = at_positions(state_after_seed(3), entry0, row0, col0)
+    out, lse = ops.flash_attn_fwd(q, k, v, None, None, None, sq, sk, d ** -0.5, causal, -1,
+                                  0 if causal else -1, 0.0, dropout_p=p, rng_state=state)
+    dout = torch.randn_like(out)
+    grads = ops.flash_attn_bwd(dout, q, k, v, out, lse, None, None, sq, sk, d ** -0.5, causal,
+                               -1, 0 if causal else -1, 0.0, False, dropout_p=p,
+                               rng_state=state)
+    full = dropout_factor(state[:2], p, 0, entry0 + b, h, row0 + sq, col0 + sk, F64,
+                          device="cuda")
+    factor = full[entry0:, :, row0:, col0:]
+    assert torch.equal(factor, dropout_factor(state, p, 0, b, h, sq, sk, F64, device="cuda"))
+    compare_to_ref(out, list(grads), [q, k, v], plain_qkv, {"causal": causal, "drop": factor},
+                   dout)
+
+
 def test_return_attn_probs_negates_the_dropped():
     q, k, v = (rand(2, 96, 2, 64, dtype=torch.bfloat16, requires_grad=False) for _ in range(3))
     torch.manual_seed(5)

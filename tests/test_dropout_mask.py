@@ -2,15 +2,18 @@
 known-answer vectors of its authors (Random123), the element -> (lane, half) map against the
 accumulator fragment layout it is built for, the kept fraction and the independence of
 neighbouring elements, and that an element's number depends only on its own coordinates and
-the generator state.
+the generator state; a positioned state (seed, offset, entry0, row0, col0) draws a window of
+the larger attention's mask.
 """
 
 import math
+import os
 
 import pytest
 import torch
 
 from flash_attn.dropout import (
+    at_positions,
     dropout_factor,
     dropout_keep_mask,
     dropout_random16,
@@ -150,3 +153,29 @@ def test_tensor_code_matches_the_written_definition():
         e, h, i, j = rng.randrange(2), rng.randrange(nheads), rng.randrange(21), rng.randrange(35)
         kept = _number_scalar(seed, offset, (entry0 + e) * nheads + h, i, j) < keep_threshold(p)
         assert factor[e, h, i, j].item() == (1 / (1 - p) if kept else 0.0)
+
+
+def test_positioned_state_draws_a_window_of_the_larger_mask():
+    # Fresh positions each run (row0, col0 multiples of 16): the call's factor must be the
+    # slice of the larger call's at those positions.
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    entry0, row0, col0 = (int(torch.randint(0, 8, (1,), generator=gen)) * m for m in (1, 16, 16))
+    state = torch.tensor([int(torch.randint(0, 2 ** 62, (1,), generator=gen)), 5])
+    b, h, sq, sk, p = 2, 3, 37, 50, 0.35
+    full = dropout_factor(state, p, 0, entry0 + b, h, row0 + sq, col0 + sk, torch.float64)
+    part = dropout_factor(at_positions(state, entry0, row0, col0), p, 0, b, h, sq, sk,
+                          torch.float64)
+    assert torch.equal(part, full[entry0:, :, row0:, col0:])
+    # Entry offsets add to the call's own entries (the reference's varlen sequences).
+    one = dropout_factor(at_positions(state, entry0, row0, col0), p, 1, 1, h, sq, sk,
+                         torch.float64)
+    assert torch.equal(one, full[entry0 + 1:entry0 + 2, :, row0:, col0:])
+
+
+@pytest.mark.parametrize("entry0,row0,col0", [(0, 8, 0), (0, 0, 24), (-1, 0, 0), (0, -16, 0)])
+def test_positions_off_the_grid_are_rejected(entry0, row0, col0):
+    with pytest.raises(ValueError, match="multiples of 16"):
+        at_positions(torch.tensor([1, 2]), entry0, row0, col0)
+    bad = torch.tensor([1, 2, entry0, row0, col0])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        dropout_factor(bad, 0.1, 0, 1, 1, 16, 16, torch.float64)

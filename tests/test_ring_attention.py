@@ -76,12 +76,22 @@ ALIBI_CASES = {
     "alibi_varlen_causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2, True),
     "alibi_varlen_noncausal_contiguous": (False, False, (-1, -1), 0.0, 4, 2, False),
 }
+# Dropout's mask at global positions, drawn in 16 x 16 blocks: chunks of 16 rows (varlen:
+# 16 * VARLEN_CHUNKS). name -> (zigzag, causal, window_size, softcap, nheads, nheads_k, alibi)
+DROPOUT_CASES = {
+    "dropout_causal_zigzag_gqa": (True, True, (-1, -1), 0.0, 4, 2, False),
+    "dropout_window_contiguous_softcap": (False, False, (20, 3), 1.5, 2, 2, False),
+    "dropout_noncausal_zigzag_alibi": (True, False, (-1, -1), 0.0, 2, 1, True),
+    "dropout_varlen_causal_zigzag": (True, True, (-1, -1), 0.0, 2, 2, False),
+    "dropout_varlen_window_contiguous": (False, False, (9, 0), 0.0, 2, 1, False),
+}
+DROPOUT_CHUNK = 16
 ERROR_CASES = ["unequal_shards", "bad_sink_on_one_rank", "bad_alibi_on_one_rank", "zigzag_odd",
                "shard_indivisible", "meta_with_gloo",
                "not_implemented", "group_of_one", "varlen_unequal_cu_seqlens",
                "varlen_bad_cu_seqlens", "varlen_group_of_one", "host_group_of_an_nccl_group"]
 ALL_CASES = (list(CASES) + list(BF16_CASES) + list(VARLEN_CASES) + list(SINK_CASES)
-             + list(ALIBI_CASES) + ERROR_CASES)
+             + list(ALIBI_CASES) + list(DROPOUT_CASES) + ERROR_CASES)
 
 
 def _batched_sharding(zigzag: bool, world: int, rank: int, seqlen: int):
@@ -102,10 +112,10 @@ def _batched_sharding(zigzag: bool, world: int, rank: int, seqlen: int):
     return shard, unshard
 
 
-def _varlen_sharding(zigzag: bool, world: int, rank: int):
-    """(lens, cu, cu_local, shard, unshard) of packed sequences of 2 * world * VARLEN_CHUNKS
-    rows: each sequence sharded on its own (shard_varlen)."""
-    lens = [2 * world * c for c in VARLEN_CHUNKS]
+def _varlen_sharding(zigzag: bool, world: int, rank: int, unit: int = 1):
+    """(lens, cu, cu_local, shard, unshard) of packed sequences of 2 * world * unit *
+    VARLEN_CHUNKS rows: each sequence sharded on its own (shard_varlen)."""
+    lens = [2 * world * unit * c for c in VARLEN_CHUNKS]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     cu_local = torch.div(cu, world, rounding_mode="floor").to(torch.int32)
 
@@ -180,12 +190,14 @@ def _check_varlen_case(name: str, world: int, rank: int) -> None:
 
 
 def _layout(name: str, world: int, rank: int, zigzag: bool, h: int, hk: int,
-            g: torch.Generator):
-    """float64 q, k, v, dout (head dim 8) of the batched layout (batch 2), or of packed sequences
-    where ``name`` says varlen; the number of sequences; shard / unshard; and the reference and
-    ring calls on them, which take further keyword arguments."""
+            g: torch.Generator, unit: int = 1):
+    """float64 q, k, v, dout (head dim 8) of the batched layout (batch 2, chunks of CHUNK rows,
+    or of ``unit`` rows when it is not 1), or of packed sequences where ``name`` says varlen
+    (_varlen_sharding's unit);
+    the number of sequences; shard / unshard; and the reference and ring calls on them, which
+    take further keyword arguments."""
     if "varlen" in name:
-        lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank)
+        lens, cu, cu_local, shard, unshard = _varlen_sharding(zigzag, world, rank, unit)
         q, k, v, dout = (torch.randn(int(cu[-1]), n, 8, generator=g, dtype=torch.float64)
                          for n in (h, hk, hk, h))
 
@@ -197,7 +209,7 @@ def _layout(name: str, world: int, rank: int, zigzag: bool, h: int, hk: int,
                                                zigzag=zigzag, **kw)
 
         return q, k, v, dout, len(lens), shard, unshard, ref_fn, ring_fn
-    seqlen = 2 * world * CHUNK
+    seqlen = 2 * world * (CHUNK if unit == 1 else unit)
     q, k, v, dout = (torch.randn(2, seqlen, n, 8, generator=g, dtype=torch.float64)
                      for n in (h, hk, hk, h))
     shard, unshard = _batched_sharding(zigzag, world, rank, seqlen)
@@ -261,6 +273,31 @@ def _check_alibi_case(name: str, world: int, rank: int) -> None:
                    ("dv", unshard(vs.grad), vr.grad)))
 
 
+def _check_dropout_case(name: str, world: int, rank: int) -> None:
+    """Output and gradients against the reference on the full sequence under the same
+    generator state: every block's mask must be drawn at its global positions (a block drawn
+    at its local ones, or on the wrong 16-row grid, keeps other scores)."""
+    zigzag, causal, window, softcap, h, hk, alibi = DROPOUT_CASES[name]
+    g = torch.Generator().manual_seed(90 + list(DROPOUT_CASES).index(name))
+    q, k, v, dout, rows, shard, unshard, ref_fn, ring_fn = _layout(name, world, rank, zigzag,
+                                                                   h, hk, g, DROPOUT_CHUNK)
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, dropout_p=0.3)
+    if alibi:
+        kwargs["alibi_slopes"] = (0.05 + torch.rand(h, generator=g)).float()
+    seed = 1234 + list(DROPOUT_CASES).index(name)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    torch.manual_seed(seed)
+    ref = ref_fn(qr, kr, vr, **kwargs)
+    ref.backward(dout)
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    torch.manual_seed(seed)
+    out = ring_fn(qs, ks, vs, **kwargs)
+    out.backward(shard(dout))
+    _assert_close((("out", unshard(out.detach()), ref.detach()),
+                   ("dq", unshard(qs.grad), qr.grad), ("dk", unshard(ks.grad), kr.grad),
+                   ("dv", unshard(vs.grad), vr.grad)))
+
+
 def _raises(exc, fn, *words):
     try:
         fn()
@@ -297,7 +334,7 @@ def _check_error(name: str, world: int, rank: int) -> None:
         y = torch.empty(1, 4, 2, 8, device="meta")
         _raises(ValueError, lambda: ring_flash_attn_func(y, y, y), "gloo")
     elif name == "not_implemented":
-        for kwargs, word in (({"dropout_p": 0.1}, "dropout_p"),
+        for kwargs, word in (({"dropout_p": 0.1}, "multiple of 16"),
                              ({"return_attn_probs": True}, "return_attn_probs")):
             _raises(NotImplementedError, lambda: ring_flash_attn_func(x, x, x, **kwargs), word)
         x8 = x.to(torch.float8_e4m3fn)  # a named error, not shards merged in e4m3
@@ -352,6 +389,8 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_sink_case(name, world, rank)
     elif name in ALIBI_CASES:
         _check_alibi_case(name, world, rank)
+    elif name in DROPOUT_CASES:
+        _check_dropout_case(name, world, rank)
     elif name not in ERROR_CASES:
         _check_case(name, world, rank)
     else:

@@ -54,9 +54,16 @@ ALIBI_CASES = {
     "alibi_noncausal_contiguous_d64": (False, False, (-1, -1), 0.0, 2, 2, 64, torch.bfloat16,
                                        True),
 }
+# Dropout's mask at global positions (the SM80 kernels, whose blocks draw it from a positioned
+# generator state), zigzag chunks of DROPOUT_CHUNK rows, a multiple of 16.
+DROPOUT_CASES = {
+    "dropout_causal_zigzag_gqa_d128": (True, True, (-1, -1), 0.0, 4, 2, 128, torch.bfloat16),
+    "dropout_window_contiguous_d64": (False, False, (150, 30), 0.0, 2, 2, 64, torch.bfloat16),
+}
+DROPOUT_CHUNK = 208
 ERROR_CASES = ["cuda_with_gloo", "unequal_shards"]
 ALL_CASES = (list(CASES) + list(VARLEN_CASES) + list(SINK_CASES) + list(ALIBI_CASES)
-             + ERROR_CASES)
+             + list(DROPOUT_CASES) + ERROR_CASES)
 
 
 def _gather_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -116,6 +123,39 @@ def _check_alibi_case(name: str, world: int, rank: int) -> None:
     out.backward(shard(dout))
     grads = [unshard(x.grad) for x in (qs, ks, vs)]
     compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv, kw, dout)
+
+
+def _check_dropout_case(name: str, world: int, rank: int) -> None:
+    """out, dq, dk, dv under the accuracy rule against float64 attention on the full sequence
+    with the mask that one call on it draws from the same generator state (every rank seeds
+    alike)."""
+    from attn_ref import compare_to_ref, plain_qkv
+    from flash_attn.dropout import dropout_factor, new_rng_state
+
+    zigzag, causal, window, softcap, h, hk, d, dtype = DROPOUT_CASES[name]
+    seqlen, p, seed = 2 * world * DROPOUT_CHUNK, 0.2, 500 + list(DROPOUT_CASES).index(name)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
+                     for n in (h, hk, hk, h))
+    s = seqlen // world
+
+    def shard(x):
+        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
+
+    def unshard(x):
+        return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
+
+    kw = {"causal": causal, "window_size": window, "softcap": softcap}
+    qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
+    torch.manual_seed(seed)
+    state = new_rng_state(q.device)
+    torch.manual_seed(seed)
+    out = ring_flash_attn_func(qs, ks, vs, zigzag=zigzag, dropout_p=p, **kw)
+    out.backward(shard(dout))
+    grads = [unshard(x.grad) for x in (qs, ks, vs)]
+    factor = dropout_factor(state, p, 0, 2, h, seqlen, seqlen, torch.float64, device="cuda")
+    compare_to_ref(unshard(out.detach()), grads, [q, k, v], plain_qkv, {**kw, "drop": factor},
+                   dout)
 
 
 def _check_sink_case(name: str, world: int, rank: int) -> None:
@@ -234,6 +274,8 @@ def _run_case(name: str, world: int, rank: int) -> None:
         _check_sink_case(name, world, rank)
     elif name in ALIBI_CASES:
         _check_alibi_case(name, world, rank)
+    elif name in DROPOUT_CASES:
+        _check_dropout_case(name, world, rank)
     else:
         _check_error(name, world, rank)
 

@@ -33,21 +33,28 @@ __forceinline__ __device__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1
     return c;
 }
 
-// One (batch entry, head)'s generator: the call's (seed, offset) from AttnShape::rng_state.
+// One (batch entry, head)'s generator: the call's (seed, offset) from AttnShape::rng_state, and
+// with AttnShape::rng_positions the call's place in a larger attention: its entry, 16-row and
+// 16-column block offsets.
 struct DropoutRng {
     uint32_t seed_lo, seed_hi, offset_lo, bh, keep;
+    int qb0, kb0;
 
     __device__ DropoutRng(const AttnShape& p, int bidb, int bidh)
         : seed_lo(uint32_t(uint64_t(p.rng_state[0]))),
           seed_hi(uint32_t(uint64_t(p.rng_state[0]) >> 32)),
           offset_lo(uint32_t(uint64_t(p.rng_state[1]))),
-          bh(uint32_t(bidb * p.nheads + bidh)),
-          keep(p.dropout_keep) {}
+          bh(uint32_t((bidb + (p.rng_positions ? int(p.rng_state[2]) : 0)) * p.nheads + bidh)),
+          keep(p.dropout_keep),
+          qb0(p.rng_positions ? int(p.rng_state[3] / 16) : 0),
+          kb0(p.rng_positions ? int(p.rng_state[4] / 16) : 0) {}
 
-    // The four words of this lane for the 16 x 16 block (query block qb, key block kb).
+    // The four words of this lane for the 16 x 16 block (query block qb, key block kb) of the
+    // call.
     __device__ uint4 words(int qb, int kb, int lane) const {
-        return philox4x32_10(make_uint4(uint32_t(32 * kb + lane), uint32_t(qb), bh, offset_lo),
-                             seed_lo, seed_hi);
+        return philox4x32_10(
+            make_uint4(uint32_t(32 * (kb + kb0) + lane), uint32_t(qb + qb0), bh, offset_lo),
+            seed_lo, seed_hi);
     }
 };
 

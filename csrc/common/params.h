@@ -78,6 +78,10 @@ struct AttnShape {
     // dropout_keep (round((1 - p) * 65536), common/dropout.h), and kept probabilities are scaled
     // by dropout_scale = 1 / (1 - p).
     const int64_t* rng_state = nullptr;
+    // rng_state has five entries, (seed, offset, entry0, row0, col0): the call's scores take the
+    // numbers of batch entry b + entry0, row i + row0 and column j + col0 (row0, col0 multiples
+    // of 16; flash_attn/dropout.py), as ring attention's blocks of a sharded sequence need.
+    bool rng_positions = false;
     uint32_t dropout_keep = 65536;
     float dropout_scale = 1.f;
 
