@@ -72,12 +72,12 @@ def _gather_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _check_case(name: str, world: int, rank: int) -> None:
-    from attn_ref import compare_to_ref, plain_qkv
-
-    zigzag, causal, window, softcap, h, hk, d, dtype = CASES[name]
-    seqlen = 2 * world * CHUNK
-    g = torch.Generator(device="cuda").manual_seed(list(CASES).index(name))
+def _batched(seed: int, world: int, rank: int, chunk: int, zigzag: bool, h: int, hk: int,
+             d: int, dtype: torch.dtype):
+    """q, k, v, dout of batch 2 over 2 * world * chunk tokens (from ``seed``), and this rank's
+    shard / unshard of them: zigzag chunks, or contiguous rows (unshard all-gathers)."""
+    seqlen = 2 * world * chunk
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
                      for n in (h, hk, hk, h))
     s = seqlen // world
@@ -88,6 +88,15 @@ def _check_case(name: str, world: int, rank: int) -> None:
     def unshard(x):
         return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
 
+    return q, k, v, dout, shard, unshard
+
+
+def _check_case(name: str, world: int, rank: int) -> None:
+    from attn_ref import compare_to_ref, plain_qkv
+
+    zigzag, causal, window, softcap, h, hk, d, dtype = CASES[name]
+    q, k, v, dout, shard, unshard = _batched(list(CASES).index(name), world, rank, CHUNK,
+                                             zigzag, h, hk, d, dtype)
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out = ring_flash_attn_func(qs, ks, vs, causal=causal, window_size=window, softcap=softcap,
                                zigzag=zigzag)
@@ -103,20 +112,11 @@ def _check_alibi_case(name: str, world: int, rank: int) -> None:
     from attn_ref import compare_to_ref, plain_qkv
 
     zigzag, causal, window, softcap, h, hk, d, dtype, per_batch = ALIBI_CASES[name]
-    seqlen = 2 * world * CHUNK
-    g = torch.Generator(device="cuda").manual_seed(300 + list(ALIBI_CASES).index(name))
-    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
-                     for n in (h, hk, hk, h))
+    seed = 300 + list(ALIBI_CASES).index(name)
+    q, k, v, dout, shard, unshard = _batched(seed, world, rank, CHUNK, zigzag, h, hk, d, dtype)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1000)
     slopes = 0.02 + 0.08 * torch.rand((2, h) if per_batch else (h,), generator=g,
                                       device="cuda")
-    s = seqlen // world
-
-    def shard(x):
-        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
-
-    def unshard(x):
-        return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
-
     kw = {"causal": causal, "window_size": window, "softcap": softcap, "alibi_slopes": slopes}
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     out = ring_flash_attn_func(qs, ks, vs, zigzag=zigzag, **kw)
@@ -133,18 +133,10 @@ def _check_dropout_case(name: str, world: int, rank: int) -> None:
     from flash_attn.dropout import dropout_factor, new_rng_state
 
     zigzag, causal, window, softcap, h, hk, d, dtype = DROPOUT_CASES[name]
-    seqlen, p, seed = 2 * world * DROPOUT_CHUNK, 0.2, 500 + list(DROPOUT_CASES).index(name)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, dout = (torch.randn(2, seqlen, n, d, generator=g, device="cuda").to(dtype)
-                     for n in (h, hk, hk, h))
-    s = seqlen // world
-
-    def shard(x):
-        return zigzag_shard(x, 1) if zigzag else x[:, rank * s:(rank + 1) * s].contiguous()
-
-    def unshard(x):
-        return zigzag_unshard(x, 1) if zigzag else _gather_rows(x, 1)
-
+    p, seed = 0.2, 500 + list(DROPOUT_CASES).index(name)
+    q, k, v, dout, shard, unshard = _batched(seed, world, rank, DROPOUT_CHUNK, zigzag, h, hk, d,
+                                             dtype)
+    seqlen = 2 * world * DROPOUT_CHUNK
     kw = {"causal": causal, "window_size": window, "softcap": softcap}
     qs, ks, vs = (shard(x).requires_grad_() for x in (q, k, v))
     torch.manual_seed(seed)
