@@ -111,12 +111,16 @@ def new_rng_state(device: Optional[torch.device | str] = None) -> Tensor:
 def at_positions(rng_state: Tensor, entry0: int, row0: int, col0: int) -> Tensor:
     """The five-element state (module docstring) of a call whose batch entry 0, query row 0 and
     key column 0 are ``entry0``, ``row0`` and ``col0`` of the attention that ``rng_state`` (a
-    two-element state) draws the mask of; on rng_state's device."""
+    two-element state) draws the mask of; on rng_state's device. The positions are filled in on
+    the device (no copy from the host, which would wait for the device's queue)."""
     if row0 < 0 or col0 < 0 or entry0 < 0 or row0 % 16 or col0 % 16:
         raise ValueError(f"flash_attn: dropout positions must be >= 0 with row0 and col0 "
                          f"multiples of 16, got entry0={entry0}, row0={row0}, col0={col0}")
-    pos = torch.tensor([entry0, row0, col0], dtype=torch.int64)
-    return torch.cat([rng_state.reshape(2), pos.to(rng_state.device)])
+    state = rng_state.new_empty(5)
+    state[:2].copy_(rng_state.reshape(2))
+    for i, x in enumerate((entry0, row0, col0)):
+        state[2 + i].fill_(x)
+    return state
 
 
 def _unpack(rng_state: Tensor) -> Tuple[int, int, int, int, int]:

@@ -317,8 +317,8 @@ def attention_forward_ref(
         causal, window_left, window_right, softcap, alibi_slopes, alibi_offset: see the module
             docstring.
         sink: (nheads,) or None: the learnable sink's logits (module docstring).
-        dropout_p, rng_state: dropout (module docstring); rng_state (2,) int64 when
-            dropout_p > 0.
+        dropout_p, rng_state: dropout (module docstring); rng_state (2,) or (5,) int64 when
+            dropout_p > 0 (flash_attn/dropout.py).
     Return:
         out: q's shape with v's head dim, q's dtype, contiguous.
         softmax_lse: float32, (batch, nheads, seqlen_q), or

@@ -264,8 +264,11 @@ def _coalesce(blocks: List[_Block], positional: bool = False) -> List[_Block]:
 
     * Same rows, adjacent columns, the left block fully visible and the right one unbounded on
       the left (no mask, causal, or window_left -1): the right block's mask, bottom-right
-      aligned, leaves the left block fully visible, because every row of a sub-block keeps at
-      least one key (``_block`` trims the others), so row 0 already reaches the right block.
+      aligned, leaves the left block fully visible. Row i keeps the joined columns up to its
+      last key in the right block; a row that keeps a key there reaches past the left block,
+      and one that keeps none (``_block`` trims such rows, but ``align`` adds some back) keeps
+      the left block's last column in the sequence, which with ``positional`` is the column
+      just before the right block's first: its right bound sits at the join.
     * Same columns, adjacent rows, both fully visible: no mask."""
     changed = True
     while changed:
@@ -330,13 +333,18 @@ class _Dropout:
     positions (:func:`flash_attn.dropout.at_positions`), so that the sequence's mask is the one
     a single call on the whole sequence would draw."""
 
-    __slots__ = ("p", "rng_state")
+    __slots__ = ("p", "rng_state", "states")
 
     def __init__(self, p: float, rng_state: Tensor):
         self.p, self.rng_state = p, rng_state
+        self.states: Dict[Tuple[int, int, int], Tensor] = {}
 
     def state(self, blk: _Block) -> Tensor:
-        return at_positions(self.rng_state, blk.seq, blk.q0, blk.k0)
+        """The block's positioned state, made once per call (the backward reuses the forward's)."""
+        key = (blk.seq, blk.q0, blk.k0)
+        if key not in self.states:
+            self.states[key] = at_positions(self.rng_state, *key)
+        return self.states[key]
 
     def factor(self, blk: _Block, batch: int, nheads: int, rows: int, cols: int,
                dtype: torch.dtype) -> Tensor:
@@ -709,6 +717,17 @@ def _sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor,
     return grad
 
 
+def _zero_rows(acc: Tensor, rows: Tensor) -> None:
+    """acc[:, i] = 0 where the host bool tensor ``rows`` is True, run by run: slices, so that
+    neither a copy of the mask to the device nor a masked index waits for the device."""
+    edges = torch.diff(rows.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    stops = torch.nonzero(edges == -1).flatten().tolist()
+    for a, b in zip(starts, stops):
+        acc[:, a:b].zero_()
+
+
 def _accumulate(acc: Tensor, rows: slice, g: Tensor, seen: Tensor) -> None:
     """acc[:, rows] += g for an accumulator that starts uninitialised: ``seen`` (host side, a
     bool per row of the slice) marks the rows an earlier call reached; the others are written
@@ -718,15 +737,13 @@ def _accumulate(acc: Tensor, rows: slice, g: Tensor, seen: Tensor) -> None:
     if not bool(seen.any()):
         view.copy_(g)
         return
-    if not bool(seen.all()):
-        view[:, (~seen).to(acc.device)] = 0
+    _zero_rows(view, ~seen)
     view.add_(g)
 
 
 def _zero_untouched(acc: Tensor, touched: Tensor) -> None:
     """Rows of ``acc`` (dim 1) that no :func:`_accumulate` reached get their zero gradient."""
-    if not bool(touched.all()):
-        acc[:, (~touched).to(acc.device)] = 0
+    _zero_rows(acc, ~touched)
 
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

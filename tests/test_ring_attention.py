@@ -349,6 +349,11 @@ def _check_error(name: str, world: int, rank: int) -> None:
         assert torch.equal(out, ref) and lse.shape == (1, 2, 2 * CHUNK)
         out.sum().backward()
         assert xr.grad is not None
+        # Dropout: the single-device call's mask, drawn from the same generator state.
+        torch.manual_seed(21)
+        out = ring_flash_attn_func(x, x, x, group=groups[rank], dropout_p=0.4)
+        torch.manual_seed(21)
+        assert torch.equal(out, flash_attn.flash_attn_func(x, x, x, dropout_p=0.4))
     elif name == "varlen_unequal_cu_seqlens":
         y = x[0]  # (2 * CHUNK, 2, 8): two sequences, split differently on rank 0
         cu = torch.tensor([0, 2, 2 * CHUNK] if rank == 0 else [0, 4, 2 * CHUNK],

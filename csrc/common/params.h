@@ -73,14 +73,16 @@ struct AttnShape {
     float alibi_unit = 0.f;
     int alibi_offset = 0;
 
-    // Dropout, optional (SM80 kernels): rng_state = (seed, offset), int64 in device memory, so
-    // that a CUDA graph replays fresh values; a score is kept when its 16-bit number is below
+    // Dropout, optional (SM80 kernels): rng_state = (seed, offset[, entry0, row0, col0]), int64
+    // in device memory, so that a CUDA graph replays fresh values; a score is kept when its 16-bit number is below
     // dropout_keep (round((1 - p) * 65536), common/dropout.h), and kept probabilities are scaled
     // by dropout_scale = 1 / (1 - p).
     const int64_t* rng_state = nullptr;
     // rng_state has five entries, (seed, offset, entry0, row0, col0): the call's scores take the
-    // numbers of batch entry b + entry0, row i + row0 and column j + col0 (row0, col0 multiples
-    // of 16; flash_attn/dropout.py), as ring attention's blocks of a sharded sequence need.
+    // numbers of batch entry b + entry0, row i + row0 and column j + col0, as ring attention's
+    // blocks of a sharded sequence need. The values live on the device, unchecked here: row0
+    // and col0 must be multiples of 16 (the kernels take row0 / 16 and col0 / 16 blocks) and
+    // entry0 >= 0, which flash_attn.dropout.at_positions checks where it builds the state.
     bool rng_positions = false;
     uint32_t dropout_keep = 65536;
     float dropout_scale = 1.f;

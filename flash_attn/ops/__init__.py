@@ -29,9 +29,10 @@ launches nothing, and its rows attend to the sink alone), and the CUDA ``_bwd`` 
 it (its ``softmax_lse`` already includes the sink). ``_fwd``'s autograd formula returns the
 sink's gradient, computed from ``out``, ``dout`` and ``softmax_lse`` (:func:`sink_grad`). After
 the sink both take ``dropout_p`` and ``rng_state`` (int64 ``(2,)`` on q's device: the mask's
-seed and offset, flash_attn/dropout.py; ``(5,)`` places the call in a larger attention), which ``flash_attn_cuda.fwd`` and
-``flash_attn_cuda.bwd`` take too: the CPU kernels and the SM80 CUDA kernels apply the mask (the
-binding runs the SM80 kernels under dropout on every GPU). ``_fwd`` ends with ``sm_margin``: SMs
+seed and offset, flash_attn/dropout.py; ``(5,)`` places the call in a larger attention),
+which ``flash_attn_cuda.fwd`` and ``flash_attn_cuda.bwd`` take too: the CPU kernels and the
+SM80 CUDA kernels apply the mask (the binding runs the SM80 kernels under dropout on every
+GPU). ``_fwd`` ends with ``sm_margin``: SMs
 the SM90 forward's persistent grid leaves free for work running beside it, such as ring
 attention's NCCL transfers (a scheduling hint: the CPU and the SM80 kernels, whose grids do not
 hold the GPU, have nothing to leave). ``_fwd`` then ends with ``q_descale``, ``k_descale`` and
