@@ -353,6 +353,17 @@ class _Dropout:
                               self.rng_state.device)
 
 
+def _placement(blk: _Block, alibi: Optional[_Alibi],
+               dropout: Optional[_Dropout]) -> Dict[str, object]:
+    """The kernels' keyword arguments that place a block in its sequence: ALiBi's slopes and
+    offset, dropout's probability and positioned state (both CUDA ops take them by name)."""
+    kw: Dict[str, object] = {"alibi_slopes": None if alibi is None else alibi.of(blk),
+                             "alibi_offset": blk.alibi_offset()}
+    if dropout is not None:
+        kw.update(dropout_p=dropout.p, rng_state=dropout.state(blk))
+    return kw
+
+
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
                softcap: float, sm_margin: int, alibi: Optional[_Alibi],
                dropout: Optional[_Dropout]) -> Tuple[Tensor, Tensor]:
@@ -361,21 +372,17 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, blk: _Block,
     ``sm_margin`` SMs free; CPU: the compute dtype (float64 for float64 inputs) for both.
     ALiBi's bias is that of the block's global positions (``alibi_offset``), and so is
     dropout's mask (lse is the softmax's, before dropout, which makes the merge exact)."""
-    slopes = None if alibi is None else alibi.of(blk)
-    offset = blk.alibi_offset()
     if q.is_cuda:
-        drop = {} if dropout is None else {"dropout_p": dropout.p,
-                                           "rng_state": dropout.state(blk)}
         return ops.flash_attn_fwd(q, k, v, None, None, None, q.shape[1], k.shape[1], scale,
                                   blk.causal, blk.window_left, blk.window_right, softcap,
-                                  alibi_slopes=slopes, sm_margin=sm_margin,
-                                  alibi_offset=offset, **drop)
+                                  sm_margin=sm_margin, **_placement(blk, alibi, dropout))
     cdt = reference._compute_dtype(q, k, v)
     factor = None if dropout is None else dropout.factor(blk, q.shape[0], q.shape[2],
                                                          q.shape[1], k.shape[1], cdt)
     return reference._forward_dense(q.to(cdt), k.to(cdt), v.to(cdt), scale, blk.causal,
                                     blk.window_left, blk.window_right, softcap, None,
-                                    alibi=slopes, drop=factor, alibi_offset=offset)
+                                    alibi=None if alibi is None else alibi.of(blk),
+                                    drop=factor, alibi_offset=blk.alibi_offset())
 
 
 def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -386,23 +393,20 @@ def _block_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     probabilities are ``exp(s - lse)`` with the global lse and the softmax term uses
     ``rowsum(dout * out)`` with the global out, as in the kernels' backward. dk/dv are summed
     over each GQA group. ALiBi and dropout as in :func:`_block_fwd`."""
-    slopes = None if alibi is None else alibi.of(blk)
-    offset = blk.alibi_offset()
     if q.is_cuda:
-        drop = {} if dropout is None else {"dropout_p": dropout.p,
-                                           "rng_state": dropout.state(blk)}
         # The row slice of lse is strided; the kernel reads it as a contiguous array.
         return ops.flash_attn_bwd(dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1],
                                   k.shape[1], scale, blk.causal, blk.window_left,
                                   blk.window_right, softcap, deterministic,
-                                  alibi_slopes=slopes, alibi_offset=offset, **drop)
+                                  **_placement(blk, alibi, dropout))
     cdt = reference._compute_dtype(q, k, v, dout)
     qc, kc, vc, doc = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
     h, hk = q.shape[2], k.shape[2]
     ke, ve = reference._expand_kv_heads(kc, h), reference._expand_kv_heads(vc, h)
     s, t = reference._scores(qc, ke, scale, softcap)
-    if slopes is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
-        s = s + reference._alibi_bias(slopes, q.shape[1], k.shape[1], None, s.dtype, offset)
+    if alibi is not None:  # a constant of the score: t (the softcap's tanh) is unchanged
+        s = s + reference._alibi_bias(alibi.of(blk), q.shape[1], k.shape[1], None, s.dtype,
+                                      blk.alibi_offset())
     keep = reference.keep_mask(q.shape[1], k.shape[1], blk.causal, blk.window_left,
                                blk.window_right, device=q.device)
     # lse is +inf on rows without any kept key anywhere: exp gives 0 there.
@@ -728,22 +732,21 @@ def _zero_rows(acc: Tensor, rows: Tensor) -> None:
         acc[:, a:b].zero_()
 
 
-def _accumulate(acc: Tensor, rows: slice, g: Tensor, seen: Tensor) -> None:
-    """acc[:, rows] += g for an accumulator that starts uninitialised: ``seen`` (host side, a
-    bool per row of the slice) marks the rows an earlier call reached; the others are written
-    rather than added to, which spares a pass that zeroes the accumulator and a read of those
-    zeros."""
-    view = acc[:, rows]
-    if not bool(seen.any()):
-        view.copy_(g)
-        return
-    _zero_rows(view, ~seen)
-    view.add_(g)
-
-
-def _zero_untouched(acc: Tensor, touched: Tensor) -> None:
-    """Rows of ``acc`` (dim 1) that no :func:`_accumulate` reached get their zero gradient."""
-    _zero_rows(acc, ~touched)
+def _accumulate(pairs: List[Tuple[Tensor, Tensor]], rows: slice, touched: Tensor) -> None:
+    """acc[:, rows] += g for each (acc, g) of ``pairs``, accumulators that start uninitialised
+    and share ``touched`` (host side, a bool per row of dim 1: reached by an earlier call, then
+    updated). Rows not reached before are written rather than added to, which spares a pass
+    that zeroes the accumulator and a read of those zeros; rows that no call reaches are
+    zeroed at the end (:func:`_zero_rows` of ``~touched``)."""
+    seen = touched[rows].clone()
+    touched[rows] = True
+    for acc, g in pairs:
+        view = acc[:, rows]
+        if not bool(seen.any()):
+            view.copy_(g)
+            continue
+        _zero_rows(view, ~seen)
+        view.add_(g)
 
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -772,8 +775,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                                        kv[1][:, blk.cols], out[:, blk.rows],
                                        lse[:, :, blk.rows], scale, blk, softcap, deterministic,
                                        alibi, dropout)
-            _accumulate(dq, blk.rows, g_q, dq_touched[blk.rows].clone())
-            dq_touched[blk.rows] = True
+            _accumulate([(dq, g_q)], blk.rows, dq_touched)
             grads.append((blk.cols, g_k, g_v))
         # The accumulator of this K/V block arrives from the previous rank (which had the block
         # one step earlier) while this step's kernels run; it is waited for only after they
@@ -783,12 +785,9 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             part = torch.empty((2,) + tuple(k.shape), dtype=cdt, device=q.device)
             cols_touched = torch.zeros(k.shape[1], dtype=torch.bool)
             for cols, g_k, g_v in grads:
-                seen = cols_touched[cols].clone()
-                _accumulate(part[0], cols, g_k, seen)
-                _accumulate(part[1], cols, g_v, seen)
-                cols_touched[cols] = True
-            _zero_untouched(part[0], cols_touched)
-            _zero_untouched(part[1], cols_touched)
+                _accumulate([(part[0], g_k), (part[1], g_v)], cols, cols_touched)
+            _zero_rows(part[0], ~cols_touched)
+            _zero_rows(part[1], ~cols_touched)
         else:
             ring.wait(dkv_reqs)
             part = dkv_in
@@ -812,7 +811,7 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             kv, kv_held = kv_next, kv_reqs
     # After the last step each accumulator takes one more hop, to the owner of its block.
     ring.wait(dkv_reqs)
-    _zero_untouched(dq, dq_touched)
+    _zero_rows(dq, ~dq_touched)
     dq = dq.to(q.dtype)
     # Copies: dkv_in is a receive buffer, released below.
     dk, dv = dkv_in[0].to(k.dtype, copy=True), dkv_in[1].to(v.dtype, copy=True)

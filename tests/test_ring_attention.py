@@ -458,7 +458,7 @@ def test_accumulate_matches_a_zeroed_accumulator():
     # reaches first are written, rows reached again are added to, partly reached slices zero
     # their new rows first, and rows never reached are zeroed at the end; the result must equal
     # summing the same blocks into zeros.
-    from flash_attn.ring_attention import _accumulate, _zero_untouched
+    from flash_attn.ring_attention import _accumulate, _zero_rows
 
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     rows = 12
@@ -467,10 +467,9 @@ def test_accumulate_matches_a_zeroed_accumulator():
     touched = torch.zeros(rows, dtype=torch.bool)
     for sl in (slice(2, 5), slice(3, 8), slice(2, 5), slice(9, 10)):  # rows 0, 1, 8, 10, 11: none
         g = torch.randn(2, sl.stop - sl.start, 3, generator=gen).to(torch.bfloat16)
-        _accumulate(acc, sl, g, touched[sl].clone())
-        touched[sl] = True
+        _accumulate([(acc, g)], sl, touched)
         want[:, sl] += g.double()
-    _zero_untouched(acc, touched)
+    _zero_rows(acc, ~touched)
     assert torch.equal(acc, want)
 
 

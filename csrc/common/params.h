@@ -74,9 +74,9 @@ struct AttnShape {
     int alibi_offset = 0;
 
     // Dropout, optional (SM80 kernels): rng_state = (seed, offset[, entry0, row0, col0]), int64
-    // in device memory, so that a CUDA graph replays fresh values; a score is kept when its 16-bit number is below
-    // dropout_keep (round((1 - p) * 65536), common/dropout.h), and kept probabilities are scaled
-    // by dropout_scale = 1 / (1 - p).
+    // in device memory, so that a CUDA graph replays fresh values; a score is kept when its
+    // 16-bit number is below dropout_keep (round((1 - p) * 65536), common/dropout.h), and kept
+    // probabilities are scaled by dropout_scale = 1 / (1 - p).
     const int64_t* rng_state = nullptr;
     // rng_state has five entries, (seed, offset, entry0, row0, col0): the call's scores take the
     // numbers of batch entry b + entry0, row i + row0 and column j + col0, as ring attention's
