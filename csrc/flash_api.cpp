@@ -795,10 +795,9 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
         return pb.varlen ? zeros_on(q, shape) : empty_on(q, shape);
     };
     Tensor dq = alloc(q.sizes());
-    Tensor dk = alloc(k.sizes());
-    Tensor dv = alloc(v.sizes());
     if (pb.batch == 0 || pb.total_q == 0 || pb.total_k == 0) {
         torch::stable::zero_(dq);
+        Tensor dk = alloc(k.sizes()), dv = alloc(v.sizes());
         torch::stable::zero_(dk);
         torch::stable::zero_(dv);
         return {dq, dk, dv};
@@ -808,8 +807,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     const bool grouped = pb.nheads != pb.nheads_k;
     std::vector<int64_t> expanded_shape = k.sizes().vec();
     expanded_shape[expanded_shape.size() - 2] = pb.nheads;
-    Tensor dk_x = grouped ? alloc(expanded_shape) : dk;
-    Tensor dv_x = grouped ? alloc(expanded_shape) : dv;
+    Tensor dk_x = alloc(grouped ? IntArrayRef(expanded_shape) : k.sizes());
+    Tensor dv_x = alloc(grouped ? IntArrayRef(expanded_shape) : v.sizes());
 
     // The SM80 kernels' scratch: dq_accum follows lse's row order, a row of `tier` floats each
     // (a query tile's rows are contiguous, so the kernel addresses them from one pointer with
@@ -855,18 +854,18 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     entry.bwd(p, stream);
     check_launch();
 
-    if (grouped) {
-        std::vector<int64_t> grouped_shape = k.sizes().vec();
-        grouped_shape.insert(grouped_shape.end() - 1, pb.nheads / pb.nheads_k);
-        const int64_t group_dim = -2;
-        torch::stable::copy_(dk, torch::stable::sum(torch::stable::view(dk_x, grouped_shape),
-                                                    IntArrayRef(group_dim), false,
-                                                    ScalarType::Float));
-        torch::stable::copy_(dv, torch::stable::sum(torch::stable::view(dv_x, grouped_shape),
-                                                    IntArrayRef(group_dim), false,
-                                                    ScalarType::Float));
-    }
-    return {dq, dk, dv};
+    if (!grouped) return {dq, dk_x, dv_x};
+    // Each KV head's gradient is the sum over its group of query heads. The reduction
+    // accumulates in float and writes the inputs' dtype in the same pass, with no float
+    // intermediate.
+    std::vector<int64_t> grouped_shape = k.sizes().vec();
+    grouped_shape.insert(grouped_shape.end() - 1, pb.nheads / pb.nheads_k);
+    const int64_t group_dim = -2;
+    auto group_sum = [&](const Tensor& x) {
+        return torch::stable::sum(torch::stable::view(x, grouped_shape), IntArrayRef(group_dim),
+                                  false, q.scalar_type());
+    };
+    return {dq, group_sum(dk_x), group_sum(dv_x)};
 }
 
 flash::Strides4 strides4(const Tensor& t) {
