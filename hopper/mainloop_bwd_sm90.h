@@ -168,14 +168,7 @@ struct Sm90BwdMainloop {
         };
         const bool masked = mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
         if constexpr (Traits::kMaskPass && !kSoftcap) {
-            if (masked) {
-                CUTE_UNROLL
-                for (int i = 0; i < size(s_rc); ++i) {
-                    if (!mask.keep(m0 + get<1>(cS_rc(i)), n0 + get<0>(cS_rc(i)))) {
-                        s_rc(i) = -INFINITY;
-                    }
-                }
-            }
+            if (masked) apply_mask<true>(s_rc, cS_rc, mask, n0, m0);
             probs(cute::false_type{});
         } else if constexpr (Traits::kMaskPass) {
             probs(masked);

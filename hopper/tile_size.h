@@ -108,7 +108,9 @@ struct Sm90BwdTile {
 // Two Q/dO stages let the next query tile load while this one computes.
 // mask_pass: with block_m = 128 the loop's second copy spilled 172-228 bytes and the pass ran
 // at 1.006-1.040 of it; with 64 the copy spills nothing and the pass ran at 0.970-1.004 (H100,
-// bf16, 1k-16k, 2026-11-27).
+// bf16, 1k-16k, 2026-11-27). A branch-free pass (each key row's query range) then ran at
+// 1.018-1.148 of the branchy one causal at d = 64, but 0.945-1.013 of the copy at d = 128
+// (H100, 2026-12-07).
 // d = 160-256 (wide): dK and dV of 64 rows would take d / 2 floats each per thread of one group, d
 // together, so the two groups split their columns and S^T's query columns (64 x 32 each); P^T and
 // dS^T go through shared memory to both groups' dV and dK GEMMs. d = 256: halves (64 + 64 floats).

@@ -28,7 +28,7 @@ struct BandMask {
     // Row i keeps columns [i + shift - left, i + shift + right] intersected with [0, seqlen_k).
     __host__ __device__ constexpr int shift() const { return seqlen_k - seqlen_q; }
 
-    __host__ __device__ bool keep(int row, int col) const {
+    __host__ __device__ constexpr bool keep(int row, int col) const {
         if (col >= seqlen_k) return false;
         if (right >= 0 && col > row + shift() + right) return false;
         if (left >= 0 && col < row + shift() - left) return false;
@@ -39,6 +39,15 @@ struct BandMask {
     __host__ __device__ void col_limits(int row, int& lo, int& hi) const {
         hi = right >= 0 ? min(seqlen_k, row + shift() + right + 1) : seqlen_k;
         lo = left >= 0 ? row + shift() - left : 0;
+    }
+
+    // Rows that keep column `col` are [lo, hi): the band's rows of it, none past the keys.
+    // Rows past seqlen_q are outside too (the backward's padding rows, whose P is 0 anyway).
+    __host__ __device__ constexpr void row_limits(int col, int& lo, int& hi) const {
+        lo = 0;
+        hi = col < seqlen_k ? seqlen_q : 0;
+        if (right >= 0 && col - shift() - right > lo) lo = col - shift() - right;
+        if (left >= 0 && col - shift() + left + 1 < hi) hi = col - shift() + left + 1;
     }
 
     // Key blocks [first, last) that rows [row0, row0 + rows) can see.

@@ -131,8 +131,9 @@ __forceinline__ __device__ uint32_t pair_columns_below(int x) {
 // compares and a select; the first block of a short causal tile spent a third of its softmax
 // there: 192 of 556 instructions per warp at d=64 causal 512). Otherwise each column is compared
 // against immediates. With GQA packing (`pack` > 1) tile rows are packed rows: query row =
-// packed row / pack.
-template <class Tensor, class Coord>
+// packed row / pack. kKeyRows: rows are keys and columns queries (the SM90 backward's S^T), each
+// row's kept columns BandMask::row_limits.
+template <bool kKeyRows = false, class Tensor, class Coord>
 __forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMask const& mask,
                                            int row0, int col0, int pack = 1) {
     const auto base = coord(0, 0);
@@ -142,7 +143,12 @@ __forceinline__ __device__ void apply_mask(Tensor& s, Coord const& coord, BandMa
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
         int lo, hi;
-        mask.col_limits((row0 + get<0>(base) + get<0>(offsets(r, 0))) / pack, lo, hi);
+        const int row = row0 + get<0>(base) + get<0>(offsets(r, 0));
+        if constexpr (kKeyRows) {
+            mask.row_limits(row, lo, hi);
+        } else {
+            mask.col_limits(row / pack, lo, hi);
+        }
         lo -= col0 + get<1>(base);
         hi -= col0 + get<1>(base);
         if constexpr (kPairs) {

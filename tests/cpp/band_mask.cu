@@ -1,7 +1,8 @@
 // Compile-time tests of the mask policy (this file must compile): BandMask::unmasked_key_blocks
 // names exactly the key blocks in which tile_needs_mask finds nothing to mask, for causal,
 // window and unbounded bands, seqlen_q above, equal to and below seqlen_k, and row ranges that
-// start before the sequence (end-aligned top tiles) or run past it.
+// start before the sequence (end-aligned top tiles) or run past it; BandMask::row_limits names
+// exactly the rows whose keep() holds for a column, columns past the keys included.
 #include "common/mask.h"
 
 namespace {
@@ -20,6 +21,36 @@ constexpr bool check_mask(int seqlen_q, int seqlen_k, int left, int right, int b
     }
     return true;
 }
+
+constexpr bool check_rows(int seqlen_q, int seqlen_k, int left, int right) {
+    const flash::BandMask mask{seqlen_q, seqlen_k, left, right};
+    for (int col = 0; col < seqlen_k + 9; ++col) {
+        int lo = 0, hi = 0;
+        mask.row_limits(col, lo, hi);
+        for (int row = 0; row < seqlen_q; ++row) {
+            if ((row >= lo && row < hi) != mask.keep(row, col)) return false;
+        }
+        if (hi > seqlen_q) return false;
+    }
+    return true;
+}
+
+constexpr bool check_all_rows(int seqlen_q, int seqlen_k) {
+    for (int left : {-1, 0, 9, 70}) {
+        for (int right : {-1, 0, 7, 50}) {
+            if (!check_rows(seqlen_q, seqlen_k, left, right)) return false;
+        }
+    }
+    return true;
+}
+
+// seqlen_q above, equal to and below seqlen_k; one pair per assertion (the constexpr budget).
+static_assert(check_all_rows(1, 1), "row_limits disagrees with keep");
+static_assert(check_all_rows(1, 90), "row_limits disagrees with keep");
+static_assert(check_all_rows(90, 1), "row_limits disagrees with keep");
+static_assert(check_all_rows(61, 61), "row_limits disagrees with keep");
+static_assert(check_all_rows(40, 97), "row_limits disagrees with keep");
+static_assert(check_all_rows(97, 40), "row_limits disagrees with keep");
 
 // One block size per assertion: each stays within the compiler's constexpr step budget. The
 // kernels' key blocks: 128 (d <= 128), 96 (d <= 192), 80 (d <= 256); 64 for good measure.
