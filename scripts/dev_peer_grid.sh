@@ -10,21 +10,34 @@
 #   2. benchmarks/benchmark_bwd.py at d = 128, 4k and 16k: deterministic against not, on both
 #      kernel families (FLASH_ATTN_FORCE_SM80 for the SM80 one);
 #   3. benchmarks/benchmark_fp8.py --fa3: the e4m3 forward grid.
-# OUT: where logs and tables go (default build/peer_grid_logs). Each step has a timeout, so
-# that a slow one cannot take the rest with it.
+# With .fa3x/fa3_so.tar.xz carried (the library an earlier call of this script returned), that
+# library is used and nothing of FlashAttention-3 is built.
+# OUT: where logs and tables go (default build/peer_grid_logs). TESTS=1 runs the GPU tests after
+# the build (GPU_TEST_ARGS selects them; TEST_TIMEOUT, default 120 s). Each step has a
+# timeout, so that a slow one cannot take the rest with it.
 source scripts/call_prelude.sh build/peer_grid_logs
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the scripts
-(FP8=1 MAX_JOBS=${FA3_JOBS:-8} nice -n 5 bash .peers/build_fa3.sh "$ROOT/build/peers" \
-   > "$OUT/fa3.log" 2>&1) &
-fa3_pid=$!
+fa3=""
+if [ -f .fa3x/fa3_so.tar.xz ]; then
+  mkdir -p build/peers/fa3x && tar -C build/peers/fa3x -xJf .fa3x/fa3_so.tar.xz
+  fa3=$(ls build/peers/fa3x/_C*.so | head -1)
+else
+  (FP8=1 MAX_JOBS=${FA3_JOBS:-8} nice -n 5 bash .peers/build_fa3.sh "$ROOT/build/peers" \
+     > "$OUT/fa3.log" 2>&1) &
+  fa3_pid=$!
+fi
 FLASH_ATTN_HEADDIMS=64,128,256 FLASH_ATTN_DTYPES=bf16,e4m3 OUT="$OUT/check" \
-  timeout 400 bash scripts/gpu_check.sh env build info > "$OUT/check.log" 2>&1
+  GPU_TEST_ARGS="${GPU_TEST_ARGS:-}" TEST_TIMEOUT=${TEST_TIMEOUT:-120} \
+  timeout 400 bash scripts/gpu_check.sh env build info ${TESTS:+test} > "$OUT/check.log" 2>&1
 tail -4 "$OUT/check/summary.txt"; t
-wait $fa3_pid
-fa3=$(ls build/peers/fa3/hopper/flash_attn_3/_C*.so 2>/dev/null | head -1)
-tail -2 "$OUT/fa3.log"; echo "fa3: ${fa3:-none}"; t
-# FlashAttention-3's library comes back in $OUT for later calls (carried as .fa3/).
-[ -n "$fa3" ] && tar -C "$(dirname "$fa3")" -cJf "$OUT/fa3_so.tar.xz" "$(basename "$fa3")"
+if [ -z "$fa3" ]; then
+  wait $fa3_pid
+  fa3=$(ls build/peers/fa3/hopper/flash_attn_3/_C*.so 2>/dev/null | head -1)
+  tail -2 "$OUT/fa3.log"
+  # FlashAttention-3's library comes back in $OUT for later calls (carried as .fa3x/).
+  [ -n "$fa3" ] && tar -C "$(dirname "$fa3")" -cJf "$OUT/fa3_so.tar.xz" "$(basename "$fa3")"
+fi
+echo "fa3: ${fa3:-none}"; t
 timeout 240 python3 benchmarks/benchmark_attn.py ${fa3:+--fa3 $fa3} --json "$OUT/grid.json" \
   --markdown "$OUT/grid.md" > "$OUT/grid.log" 2>&1
 sed -n '/^| hdim/,$p' "$OUT/grid.log"; t
