@@ -46,8 +46,9 @@ struct DqTurns {
         if (seen != rank) wait(m, rank);
     }
 
-    // Called by one thread after its CTA's additions to tile m are complete and, for other
-    // threads' additions, fenced and past a barrier.
+    // Called by one thread after its CTA's additions to tile m: past a barrier that every adding
+    // thread reached after its additions, and a fence.acq_rel.gpu of this thread after it (or
+    // the additions' own completion wait, for bulk reductions).
     __device__ void pass(int m, int rank) const { st_release_gpu(counts + m, rank + 1); }
 };
 

@@ -356,10 +356,15 @@ __global__ void __launch_bounds__(Sm80Bwd<T, kHeadDim>::kThreads, 1)
         }
         atomic_add_fragment(acc_dq, tdQg, cdQ, rows_left, p.headdim,
                             rows_left >= kBlockM && p.headdim == kHeadDim);
+        // The barrier puts every thread's additions before thread 0's fence, which then orders
+        // them all before the pass (cumulativity); a fence in every thread held every warp
+        // until its own additions completed (1.03-1.05x without, H100, d = 128, 4k/16k).
         if (turns.enabled()) {
-            fence_acq_rel_gpu();
             __syncthreads();
-            if (tid == 0) turns.pass(m, rank);
+            if (tid == 0) {
+                fence_acq_rel_gpu();
+                turns.pass(m, rank);
+            }
         }
     };
 
