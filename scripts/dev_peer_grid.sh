@@ -17,11 +17,8 @@
 # timeout, so that a slow one cannot take the rest with it.
 source scripts/call_prelude.sh build/peer_grid_logs
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, for the scripts
-fa3=""
-if [ -f .fa3x/fa3_so.tar.xz ]; then
-  mkdir -p build/peers/fa3x && tar -C build/peers/fa3x -xJf .fa3x/fa3_so.tar.xz
-  fa3=$(ls build/peers/fa3x/_C*.so | head -1)
-else
+fa3=$(carried_fa3)
+if [ -z "$fa3" ]; then
   (FP8=1 MAX_JOBS=${FA3_JOBS:-8} nice -n 5 bash .peers/build_fa3.sh "$ROOT/build/peers" \
      > "$OUT/fa3.log" 2>&1) &
   fa3_pid=$!

@@ -7,8 +7,8 @@
 # at 0.95-1.02 in the same call.
 #   bash benchmarks/patches/run_ncu_d64_causal.sh
 source scripts/call_prelude.sh build/ncu_d64_logs
-mkdir -p build/peers/fa3x && tar -C build/peers/fa3x -xJf .fa3x/fa3_so.tar.xz
-fa3=$(ls $ROOT/build/peers/fa3x/_C*.so | head -1)
+fa3=$(carried_fa3)
+[ -n "$fa3" ] || { echo "needs .fa3x/fa3_so.tar.xz carried"; exit 1; }
 FLASH_ATTN_HEADDIMS=64 FLASH_ATTN_DTYPES=bf16 OUT="$OUT/check" timeout 240 bash scripts/gpu_check.sh build > "$OUT/check.log" 2>&1
 tail -3 "$OUT/check/summary.txt"; t
 export PYTHONPATH=$ROOT
