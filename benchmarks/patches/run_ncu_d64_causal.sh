@@ -2,9 +2,9 @@
 # One device call (about 4 minutes; give it 400 s), from the repo root with .cutlass and .fa3x
 # (FlashAttention-3's library from scripts/dev_peer_grid.sh) carried: ncu --set full of our d64
 # causal 16k backward next to FlashAttention-3's, details pages in $OUT/ncu_causal.txt. Why: at
-# d64 causal 8k/16k ours ran at 0.92-0.95 of FlashAttention-3 at 7 of 8 batch and head counts
-# (H100, 2026-12-08; 1.08 at the eighth, where FlashAttention-3 dropped to 453), d64 non-causal
-# at 0.95-1.02 in the same call.
+# d64 causal ours ran at 0.92-0.95 of FlashAttention-3 at 7 of 8 points (8k and 16k over four
+# batch and head counts; H100, 2026-12-08; 1.08 at the eighth, where FlashAttention-3 dropped
+# to 453), d64 non-causal at 0.95-1.02 in the same call.
 #   bash benchmarks/patches/run_ncu_d64_causal.sh
 source scripts/call_prelude.sh build/ncu_d64_logs
 fa3=$(carried_fa3)
